@@ -1,0 +1,1 @@
+"""Client library for the attention encoder service (numpy in, numpy out; no torch needed)."""

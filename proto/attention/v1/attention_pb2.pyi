@@ -1,0 +1,193 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_NONE: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+    POOLING_CLS: _ClassVar[Pooling]
+
+class HeadReduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HEADS_ALL: _ClassVar[HeadReduction]
+    HEADS_MEAN: _ClassVar[HeadReduction]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
+POOLING_NONE: Pooling
+POOLING_MEAN: Pooling
+POOLING_CLS: Pooling
+HEADS_ALL: HeadReduction
+HEADS_MEAN: HeadReduction
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("token_ids", "embeddings")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: Tensor
+    embeddings: Tensor
+    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class OutputOptions(_message.Message):
+    __slots__ = ("return_hidden", "pooling", "dtype")
+    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    return_hidden: bool
+    pooling: Pooling
+    dtype: DType
+    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class AttentionOptions(_message.Message):
+    __slots__ = ("return_attention", "layers", "heads", "dtype")
+    RETURN_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    return_attention: bool
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    heads: HeadReduction
+    dtype: DType
+    def __init__(self, return_attention: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ..., heads: _Optional[_Union[HeadReduction, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "sequences", "output", "attention", "causal")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    CAUSAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
+    output: OutputOptions
+    attention: AttentionOptions
+    causal: bool
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ...) -> None: ...
+
+class ResponseMetadata(_message.Message):
+    __slots__ = ("queue_us", "compute_us", "batch_size", "padded_length", "precision", "fp32_retry", "device", "model_name", "model_version")
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PADDED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    FP32_RETRY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    queue_us: int
+    compute_us: int
+    batch_size: int
+    padded_length: int
+    precision: str
+    fp32_retry: bool
+    device: str
+    model_name: str
+    model_version: str
+    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., padded_length: _Optional[int] = ..., precision: _Optional[str] = ..., fp32_retry: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class SequenceOutput(_message.Message):
+    __slots__ = ("hidden", "pooled", "attention", "nonfinite")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    hidden: Tensor
+    pooled: Tensor
+    attention: Tensor
+    nonfinite: bool
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message", "field")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    field: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("request_id", "outputs", "metadata", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    metadata: ResponseMetadata
+    error: StreamError
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., metadata: _Optional[_Union[ResponseMetadata, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes")
+    MAX_SEQUENCES_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTENTION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_sequences_per_call: int
+    max_tokens_per_call: int
+    max_message_bytes: int
+    max_attention_bytes: int
+    def __init__(self, max_sequences_per_call: _Optional[int] = ..., max_tokens_per_call: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_attention_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    D_MODEL_FIELD_NUMBER: _ClassVar[int]
+    N_HEADS_FIELD_NUMBER: _ClassVar[int]
+    N_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    POSITIONAL_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    checksum: str
+    d_model: int
+    n_heads: int
+    n_layers: int
+    vocab_size: int
+    max_length: int
+    positional: str
+    precision: str
+    device: str
+    limits: Limits
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,154 @@
+"""`ServiceConfig`: one frozen config, from CLI flags with `ATTN_*` environment fallbacks.
+
+This is the only module that reads the environment. Every field has a default and a help text
+(`python -m service --help` prints them all) and is validated on construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "precision": ("auto", "fp32", "fp16", "bf16"),
+    "nonfinite_policy": ("retry", "fail"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "attention-service")
+
+
+def _opt(default: Any, help: str, *, env: bool = True) -> Any:
+    return field(default=default, metadata={"help": help, "env": env})
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    # Network
+    host: str = _opt("127.0.0.1", "address to bind the gRPC port (the container sets 0.0.0.0)")
+    port: int = _opt(50051, "gRPC port (0 picks a free one; see --ready-file)")
+    metrics_host: str = _opt("", "address of the Prometheus /metrics HTTP port (empty = same as host)")
+    metrics_port: int = _opt(9464, "Prometheus /metrics HTTP port (0 picks a free one, -1 disables it)")
+    health_port: int = _opt(0, "extra plaintext port serving only grpc.health.v1 (0 = off); for TLS setups")
+    ready_file: str = _opt("", "write {port, metrics_port, health_port, pid} as JSON here once SERVING")
+    # Model
+    model: str = _opt("", "model bundle directory; empty = the built-in default model, built on first use")
+    cache_dir: str = _opt("", "where the built-in default bundle is built (default ~/.cache/attention-service)")
+    device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
+    precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda, fp32 on cpu)")
+    nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
+    torch_threads: int = _opt(0, "intra-op threads for the model (0 = torch's default)")
+    warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
+    # Batching
+    max_batch_tokens: int = _opt(16384, "token budget of one batch, counted as batch size x padded length")
+    max_batch_size: int = _opt(64, "most sequences in one batch")
+    max_wait_ms: float = _opt(0.0, "hold a not-full batch open up to this long to grow it (0 = never wait)")
+    max_age_ms: float = _opt(100.0, "a sequence queued this long is batched next, whatever its length")
+    max_queue_tokens: int = _opt(262144, "queued tokens beyond which calls get RESOURCE_EXHAUSTED at once")
+    max_queue_requests: int = _opt(4096, "queued sequences beyond which calls get RESOURCE_EXHAUSTED at once")
+    # Per-call limits
+    max_sequences_per_call: int = _opt(64, "most sequences in one Encode call")
+    max_tokens_per_call: int = _opt(32768, "most tokens (all sequences together) in one Encode call")
+    max_message_bytes: int = _opt(64 << 20, "largest request or response message, bytes")
+    max_attention_bytes: int = _opt(16 << 20, "attention weights budget per call, bytes (as returned)")
+    allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
+    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none")
+    max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
+    # Lifecycle
+    drain_delay_s: float = _opt(0.0, "on SIGTERM, keep serving this long after NOT_SERVING (load balancers)")
+    drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")
+    reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
+    log_level: str = _opt("info", "debug | info | warning | error")
+
+    def __post_init__(self) -> None:
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {'|'.join(choices)}; got {value!r}")
+        for name in ("port", "health_port"):
+            _check(name, getattr(self, name), 0, 65535)
+        _check("metrics_port", self.metrics_port, -1, 65535)
+        for name in (
+            "max_batch_tokens", "max_batch_size", "max_queue_tokens", "max_queue_requests",
+            "max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes",
+            "max_stream_inflight",
+        ):
+            _check(name, getattr(self, name), 1, None)
+        _check("torch_threads", self.torch_threads, 0, None)
+        for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
+            _check(name, getattr(self, name), 0, None)
+        _check("default_timeout_s", self.default_timeout_s, 1e-3, None)
+        if self.max_batch_size > self.max_batch_tokens:
+            raise ValueError(
+                f"max_batch_size ({self.max_batch_size}) cannot exceed max_batch_tokens ({self.max_batch_tokens})"
+            )
+
+    @property
+    def bundle_cache_dir(self) -> Path:
+        return Path(self.cache_dir or _default_cache_dir())
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
+        """Flags win over `ATTN_<NAME>` environment variables, which win over defaults."""
+        env = os.environ if env is None else env
+        args = build_parser().parse_args(argv)
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            flag_value = getattr(args, f.name)
+            env_value = env.get(f"ATTN_{f.name.upper()}")
+            if flag_value is not None:
+                values[f.name] = flag_value
+            elif env_value is not None:
+                values[f.name] = _parse(f, env_value)
+        return cls(**values)
+
+
+def _check(name: str, value: float, low: float, high: float | None) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bound}; got {value!r}")
+
+
+def _kind(f: dataclasses.Field[Any]) -> type:
+    return {"int": int, "float": float, "bool": bool}.get(str(f.type), str)
+
+
+def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = _kind(f)
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError
+            return lowered in ("1", "true", "yes", "on")
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"ATTN_{f.name.upper()} must be a {kind.__name__}; got {raw!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m service",
+        description="gRPC inference service for multi-head-attention encoders. "
+        "Every flag falls back to the environment variable shown, then to the default.",
+    )
+    for f in dataclasses.fields(ServiceConfig):
+        kind = _kind(f)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} [env ATTN_{f.name.upper()}; default {f.default!r}]"
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text,
+                                choices=CHOICES.get(f.name))
+    return parser

@@ -1,0 +1,121 @@
+"""Typed service errors and the one table that maps each to a gRPC status code.
+
+    ServiceError
+    ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
+    │   └── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
+    ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
+    ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
+    ├── DeadlineExceeded    DEADLINE_EXCEEDED   the deadline passed before the work could be done
+    ├── Cancelled           CANCELLED           the caller went away
+    ├── NotReady            UNAVAILABLE         loading or warming up
+    ├── ShuttingDown        UNAVAILABLE         draining for shutdown
+    ├── Unauthenticated     UNAUTHENTICATED     missing or wrong credentials
+    └── ModelFailure        INTERNAL            the model raised; the message carries only a reference id
+        └── NonFiniteOutput INTERNAL            NaN/Inf output that no fp32 re-run could mend
+
+Codes are names (`grpc.StatusCode[name]` at the edge) so that this module, and the batcher that
+raises these errors, import no grpc. Messages are public: they never hold internals.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+
+class ServiceError(Exception):
+    """Base of every error a caller may see. `str(error)` is the public message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(ServiceError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.description = message
+
+
+class NonFiniteInput(InvalidInput):
+    pass
+
+
+class FailedPrecondition(ServiceError):
+    pass
+
+
+class Overloaded(ServiceError):
+    def __init__(self, message: str, retry_after_s: float = 0.1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class OutOfMemory(ServiceError):
+    pass
+
+
+class DeadlineExceeded(ServiceError):
+    pass
+
+
+class Cancelled(ServiceError):
+    pass
+
+
+class NotReady(ServiceError):
+    pass
+
+
+class ShuttingDown(ServiceError):
+    pass
+
+
+class Unauthenticated(ServiceError):
+    pass
+
+
+class ModelFailure(ServiceError):
+    """The model failed. `ref` is logged with the traceback; the caller sees only the ref."""
+
+    def __init__(self, what: str = "inference failed", ref: str | None = None) -> None:
+        self.ref = ref or uuid.uuid4().hex[:12]
+        super().__init__(f"{what} (ref={self.ref})")
+
+
+class NonFiniteOutput(ModelFailure):
+    def __init__(self, ref: str | None = None) -> None:
+        super().__init__("non-finite model output", ref)
+
+
+STATUS_OF: dict[type[ServiceError], str] = {
+    InvalidInput: "INVALID_ARGUMENT",
+    NonFiniteInput: "INVALID_ARGUMENT",
+    FailedPrecondition: "FAILED_PRECONDITION",
+    Overloaded: "RESOURCE_EXHAUSTED",
+    OutOfMemory: "RESOURCE_EXHAUSTED",
+    DeadlineExceeded: "DEADLINE_EXCEEDED",
+    Cancelled: "CANCELLED",
+    NotReady: "UNAVAILABLE",
+    ShuttingDown: "UNAVAILABLE",
+    Unauthenticated: "UNAUTHENTICATED",
+    ModelFailure: "INTERNAL",
+    NonFiniteOutput: "INTERNAL",
+}
+
+# The `reason` label of attention_failures_total for each error type.
+REASON_OF: dict[type[ServiceError], str] = {
+    InvalidInput: "invalid_argument",
+    NonFiniteInput: "nonfinite_input",
+    FailedPrecondition: "failed_precondition",
+    Overloaded: "queue_full",
+    OutOfMemory: "oom",
+    DeadlineExceeded: "deadline",
+    Cancelled: "cancelled",
+    NotReady: "not_ready",
+    ShuttingDown: "shutting_down",
+    Unauthenticated: "unauthenticated",
+    ModelFailure: "model_error",
+    NonFiniteOutput: "nonfinite_output",
+}

@@ -1,0 +1,107 @@
+"""Prometheus metrics, all on one injected `CollectorRegistry` (never module globals).
+
+Histograms rather than summaries, so that p99 aggregates across replicas. Names and label sets are
+pinned by tests/test_metrics.py: a rename is a conscious change (dashboards and alerts use them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# 1 ms .. 10 s, roughly x2 per step (resolves p99 at both ends).
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+class Metrics:
+    """Every metric of the service. Implements the batcher's and the runner's observer protocols."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        r = registry
+        self.request_duration = Histogram(
+            "attention_request_duration_seconds", "Encode call latency, end to end in the server",
+            ["method", "code"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_duration = Histogram(
+            "attention_queue_duration_seconds", "Time a sequence waited before its batch ran",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_duration = Histogram(
+            "attention_compute_duration_seconds", "Model forward time per batch",
+            ["precision"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "attention_batch_size", "Sequences per batch", buckets=SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram(
+            "attention_batch_tokens", "Padded tokens per batch (size x padded length)",
+            buckets=TOKEN_BUCKETS, registry=r)
+        self.padding_ratio = Histogram(
+            "attention_padding_ratio", "Padded tokens / real tokens per batch", buckets=RATIO_BUCKETS, registry=r)
+        self.queue_depth = Gauge("attention_queue_depth", "Sequences waiting for a batch", registry=r)
+        self.queue_tokens = Gauge("attention_queue_tokens", "Tokens waiting for a batch", registry=r)
+        self.queue_limit_tokens = Gauge(
+            "attention_queue_limit_tokens", "Queued tokens beyond which calls are refused", registry=r)
+        self.ready = Gauge("attention_ready", "1 when the model is warm and the service SERVING", registry=r)
+        self.model_info = Gauge(
+            "attention_model_info", "The model served (value 1)", ["name", "version", "device", "precision"],
+            registry=r)
+        self.requests = Counter(
+            "attention_requests_total", "Calls by method and gRPC code", ["method", "code"], registry=r)
+        self.sequences = Counter("attention_sequences_total", "Sequences encoded successfully", registry=r)
+        self.nonfinite_outputs = Counter(
+            "attention_nonfinite_outputs_total", "Sequences whose output held NaN/Inf, by the precision it ran at",
+            ["precision"], registry=r)
+        self.fp32_retries = Counter(
+            "attention_fp32_retries_total", "Sequences re-run in fp32 after a non-finite output", registry=r)
+        self.nonfinite_inputs = Counter(
+            "attention_nonfinite_inputs_total", "Embedding inputs refused for holding NaN/Inf", registry=r)
+        self.failures = Counter(
+            "attention_failures_total", "Failed calls by reason", ["reason"], registry=r)
+        self.dropped = Counter(
+            "attention_dropped_total", "Queued sequences dropped before compute, by reason", ["reason"], registry=r)
+        self.batch_splits = Counter(
+            "attention_batch_splits_total", "Batches split and retried, by reason (oom | error)", ["reason"],
+            registry=r)
+
+        # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/interceptors.py).
+        grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self.grpc_started = Counter(
+            "grpc_server_started_total", "RPCs started on the server", grpc_labels, registry=r)
+        self.grpc_handled = Counter(
+            "grpc_server_handled_total", "RPCs completed on the server, by code", [*grpc_labels, "grpc_code"],
+            registry=r)
+        self.grpc_handling = Histogram(
+            "grpc_server_handling_seconds", "RPC handling time on the server", grpc_labels,
+            buckets=LATENCY_BUCKETS, registry=r)
+
+    # -- BatchObserver ---------------------------------------------------------------------------
+
+    def on_queue(self, sequences: int, tokens: int) -> None:
+        self.queue_depth.set(sequences)
+        self.queue_tokens.set(tokens)
+
+    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float]) -> None:
+        self.batch_size.observe(size)
+        self.batch_tokens.observe(size * padded_length)
+        self.padding_ratio.observe(size * padded_length / max(real_tokens, 1))
+        for seconds in queue_s:
+            self.queue_duration.observe(seconds)
+
+    def on_dropped(self, reason: str, count: int) -> None:
+        self.dropped.labels(reason).inc(count)
+
+    # -- RunnerObserver --------------------------------------------------------------------------
+
+    def on_forward(self, precision: str, seconds: float) -> None:
+        self.compute_duration.labels(precision).observe(seconds)
+
+    def on_nonfinite(self, precision: str, count: int) -> None:
+        self.nonfinite_outputs.labels(precision).inc(count)
+
+    def on_fp32_retry(self, count: int) -> None:
+        self.fp32_retries.inc(count)
+
+    def on_split(self, reason: str) -> None:
+        self.batch_splits.labels(reason).inc()

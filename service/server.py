@@ -1,0 +1,192 @@
+"""The serving process: `build_server(config, registry) -> (server, port)` kept apart from `serve()`.
+
+Start-up: listen at once (liveness `""` SERVING), load and warm the model in a thread, then report
+the AttentionService SERVING (readiness). Shutdown (SIGTERM): readiness NOT_SERVING, keep serving
+for `drain_delay_s`, refuse new calls with UNAVAILABLE, give accepted calls `drain_grace_s` to
+finish, then stop the model thread and exit 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from model.bundle import ensure_default_bundle
+from service.batcher import Batcher, BatchLimits
+from service.config import ServiceConfig
+from service.interceptors import MetricsInterceptor
+from service.metrics import Metrics
+from service.runner import Job, Runner
+from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
+
+log = logging.getLogger(__name__)
+
+
+def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second process must fail to bind, not silently share the port
+        # Accept the keepalive pings our client sends (every 30 s, also when idle).
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+class Server:
+    """Everything one serving process holds. Build with `build_server`; `start()`, then `stop()`."""
+
+    def __init__(self, config: ServiceConfig, registry: CollectorRegistry) -> None:
+        self.config = config
+        self.metrics = Metrics(registry)
+        self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
+        self.state = ServingState()
+        self.health = health.aio.HealthServicer()
+        self.runner: Runner | None = None
+        limits = BatchLimits(
+            max_batch_tokens=config.max_batch_tokens, max_batch_size=config.max_batch_size,
+            max_wait_ms=config.max_wait_ms, max_age_ms=config.max_age_ms,
+            max_queue_tokens=config.max_queue_tokens, max_queue_requests=config.max_queue_requests,
+        )
+        self.batcher: Batcher[Job] = Batcher(self._execute, limits, observer=self.metrics)
+        self.servicer = AttentionServicer(config, self.batcher, self.state, self.metrics)
+        self.grpc = grpc.aio.server(
+            interceptors=[MetricsInterceptor(self.metrics)], options=grpc_options(config)
+        )
+        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        if config.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                                self.grpc)
+        self.health_grpc: grpc.aio.Server | None = None
+        self.port = self.grpc.add_insecure_port(f"{config.host}:{config.port}")
+        self.health_port = 0
+        if config.health_port:
+            self.health_grpc = grpc.aio.server(options=grpc_options(config))
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
+            self.health_port = self.health_grpc.add_insecure_port(f"{config.host}:{config.health_port}")
+        self.metrics_port = 0
+        self._httpd: Any = None
+        self._startup: asyncio.Task[None] | None = None
+
+    def _execute(self, jobs: list[Job]) -> Any:
+        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
+        return self.runner.execute(jobs)
+
+    async def start(self) -> None:
+        """Listen, then load and warm the model in the background (see `ready()`)."""
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.grpc.start()
+        if self.health_grpc is not None:
+            await self.health_grpc.start()
+        if self.config.metrics_port >= 0:
+            host = self.config.metrics_host or self.config.host
+            self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
+            self.metrics_port = self._httpd.server_port
+        self.batcher.start()
+        self._startup = asyncio.create_task(self._load_and_warm())
+
+    async def ready(self) -> None:
+        """Wait until SERVING; raises if loading or warm-up failed."""
+        assert self._startup is not None, "Server.start() was not called. This is a bug."
+        await asyncio.shield(self._startup)
+
+    async def _load_and_warm(self) -> None:
+        config = self.config
+        bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
+        runner = Runner(config, bundle_dir, self.metrics)
+        spec = await asyncio.to_thread(runner.load)
+        if spec.max_length > config.max_batch_tokens:
+            raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) is below the model's "
+                             f"max_length ({spec.max_length}): a longest sequence could never be batched")
+        if config.warmup:
+            await asyncio.to_thread(runner.warmup, config.max_batch_tokens, config.max_batch_size)
+        self.runner = runner
+        self.metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
+        self.state.spec = spec
+        if not self.state.draining:
+            await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+            self.metrics.ready.set(1)
+        log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, config.host, self.port,
+                 spec.device, spec.precision)
+        if config.ready_file:
+            _write_json(config.ready_file, {"port": self.port, "metrics_port": self.metrics_port,
+                                            "health_port": self.health_port, "pid": os.getpid()})
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop. `grace` defaults to `drain_grace_s`; 0 stops at once."""
+        grace = self.config.drain_grace_s if grace is None else grace
+        await self.health.enter_graceful_shutdown()  # readiness NOT_SERVING, liveness too
+        self.metrics.ready.set(0)
+        if grace > 0 and self.config.drain_delay_s > 0:
+            await asyncio.sleep(self.config.drain_delay_s)
+        self.state.draining = True
+        self.batcher.close()
+        if self._startup is not None and not self._startup.done():
+            self._startup.cancel()
+        # The listener closes at once; accepted calls have `grace` to finish (the batcher keeps
+        # running them); what is still running then is cancelled by grpcio with UNAVAILABLE.
+        await asyncio.gather(self.grpc.stop(grace), self.batcher.drain(grace))
+        await self.batcher.aclose()
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(None)
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+
+
+def build_server(config: ServiceConfig, registry: CollectorRegistry) -> tuple[Server, int]:
+    """Build (not start) a server bound to config.host:config.port; returns it and the bound port."""
+    server = Server(config, registry)
+    return server, server.port
+
+
+async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    server, port = build_server(config, registry)
+    loop = asyncio.get_running_loop()
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    await server.start()
+    log.info("listening on %s:%d, metrics on :%d; loading the model", config.host, port, server.metrics_port)
+    waiter = asyncio.create_task(signals.get())
+    assert server._startup is not None
+    await asyncio.wait({waiter, server._startup}, return_when=asyncio.FIRST_COMPLETED)
+    if server._startup.done() and not server._startup.cancelled() and server._startup.exception() is not None:
+        log.error("start-up failed: %s", server._startup.exception())
+        waiter.cancel()
+        await server.stop(0)
+        return 1
+    sig = await waiter
+    log.info("signal %d: draining for up to %.1f s", sig, config.drain_grace_s)
+    stopping = asyncio.create_task(server.stop())
+    second = asyncio.create_task(signals.get())
+    await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+    if not stopping.done():
+        log.info("second signal: stopping now")
+        await server.grpc.stop(0)
+        await stopping
+    second.cancel()
+    log.info("stopped")
+    return 0
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".ready-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, target)

@@ -1,0 +1,266 @@
+"""attention.v1.AttentionService: proto <-> domain, admission, and error mapping. Nothing else.
+
+Handlers take raw request bytes and parse them here, so that a malformed message is answered
+INVALID_ARGUMENT instead of grpcio's UNKNOWN. Every exception is mapped: `ServiceError`s by
+`errors.STATUS_OF`, anything else to INTERNAL with a reference id (the traceback is logged, never
+sent). Our own `CancelledError`s never escape a handler (a caller would hang until its deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from client.tensors import to_tensor
+from proto.attention.v1 import attention_pb2 as pb
+from service.batcher import Batcher, Done, Request
+from service.config import ServiceConfig
+from service.errors import (
+    REASON_OF,
+    STATUS_OF,
+    DeadlineExceeded,
+    InvalidInput,
+    ModelFailure,
+    NonFiniteInput,
+    NotReady,
+    Overloaded,
+    ServiceError,
+    ShuttingDown,
+)
+from service.metrics import Metrics
+from service.runner import Job, ModelSpec, Output
+from service.validation import Plan, validate
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
+
+
+@dataclass
+class ServingState:
+    """Readiness, shared by the server (which sets it) and the servicer (which admits by it)."""
+
+    spec: ModelSpec | None = None  # set once the model is warm
+    draining: bool = False
+
+    def require_ready(self) -> ModelSpec:
+        if self.draining:
+            raise ShuttingDown("server shutting down; retry on another replica")
+        if self.spec is None:
+            raise NotReady("model loading or warming up; retry shortly")
+        return self.spec
+
+
+class AttentionServicer:
+    def __init__(self, config: ServiceConfig, batcher: Batcher[Job], state: ServingState, metrics: Metrics) -> None:
+        self._config = config
+        self._batcher = batcher
+        self._state = state
+        self._metrics = metrics
+
+    # -- handlers (raw bytes in, raw bytes out) --------------------------------------------------
+
+    async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = _parse(pb.EncodeRequest, raw)
+            response = await self._encode(request, _remaining(context, self._config))
+            return response.SerializeToString()
+
+        return await self._answer("Encode", context, work)
+
+    async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            _parse(pb.GetModelInfoRequest, raw)
+            return self._model_info().SerializeToString()
+
+        return await self._answer("GetModelInfo", context, work)
+
+    async def encode_stream(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """One response per request, in completion order; a failed request answers with `error` set."""
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(self._config.max_stream_inflight)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def one(raw: bytes) -> None:
+            started = time.perf_counter()
+            request_id = ""
+            try:
+                request = _parse(pb.EncodeRequest, raw)
+                request_id = request.request_id
+                response = await self._encode(request, _remaining(context, self._config))
+                code = "OK"
+            except ServiceError as exc:
+                code = STATUS_OF[type(exc)]
+                self._metrics.failures.labels(REASON_OF[type(exc)]).inc()
+                response = pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
+                    code=code, message=exc.message, field=getattr(exc, "field", "")))
+            finally:
+                slots.release()
+            self._observe("EncodeStream", code, started)
+            await out.put(response.SerializeToString())
+
+        async def read() -> None:
+            try:
+                async for raw in requests:
+                    await slots.acquire()
+                    task = asyncio.create_task(one(raw))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.wait(set(tasks))
+            finally:
+                await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+            await reader  # surfaces a broken request stream
+        finally:
+            for task in (reader, *tasks):
+                task.cancel()
+
+    # -- the call ---------------------------------------------------------------------------------
+
+    async def _encode(self, request: pb.EncodeRequest, remaining: float) -> pb.EncodeResponse:
+        spec = self._state.require_ready()
+        try:
+            plan = validate(request, spec, self._config)
+        except NonFiniteInput:
+            self._metrics.nonfinite_inputs.inc()
+            raise
+        items = self._batcher.submit(
+            [Request(job, job.length, job.key) for job in plan.jobs], time.monotonic() + remaining
+        )
+        try:
+            async with asyncio.timeout(remaining):
+                done = await asyncio.gather(*(item.future for item in items))
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded") from None
+        finally:
+            self._batcher.cancel([item for item in items if not item.future.done()])
+        self._metrics.sequences.inc(len(done))
+        return _response(plan, done, spec)
+
+    def _model_info(self) -> pb.ModelInfo:
+        spec = self._state.require_ready()
+        c = self._config
+        return pb.ModelInfo(
+            name=spec.name, version=spec.version, checksum=spec.checksum, d_model=spec.d_model,
+            n_heads=spec.n_heads, n_layers=spec.n_layers, vocab_size=spec.vocab_size, max_length=spec.max_length,
+            positional=spec.positional, precision=spec.precision, device=spec.device,
+            limits=pb.Limits(
+                max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
+                max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
+            ),
+        )
+
+    # -- error mapping and accounting -------------------------------------------------------------
+
+    async def _answer(self, method: str, context: grpc.aio.ServicerContext,
+                      work: Callable[[], Awaitable[bytes]]) -> bytes:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return await work()
+        except ServiceError as exc:
+            code = STATUS_OF[type(exc)]
+            self._metrics.failures.labels(REASON_OF[type(exc)]).inc()
+            await context.abort_with_status(_status(exc))
+            raise AssertionError("abort returned. This is a bug.") from None
+        except asyncio.CancelledError:
+            # The caller cancelled or its deadline passed (grpcio cancels the handler task).
+            code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            code = "INTERNAL"
+            error = ModelFailure("internal error")
+            log.exception("%s failed (ref=%s)", method, error.ref)
+            self._metrics.failures.labels("internal").inc()
+            await context.abort_with_status(_status(error))
+            raise AssertionError("abort returned. This is a bug.") from None
+        finally:
+            self._observe(method, code, started)
+
+    def _observe(self, method: str, code: str, started: float) -> None:
+        self._metrics.requests.labels(method, code).inc()
+        self._metrics.request_duration.labels(method, code).observe(time.perf_counter() - started)
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        serialize: Callable[[bytes], bytes] = bytes
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=serialize),
+            "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream, response_serializer=serialize),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=serialize),
+        })
+
+
+def _parse(message_type: Any, raw: bytes) -> Any:
+    try:
+        return message_type.FromString(raw)
+    except (DecodeError, RuntimeError, ValueError):
+        raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
+
+
+def _remaining(context: grpc.aio.ServicerContext, config: ServiceConfig) -> float:
+    remaining = context.time_remaining()  # None when the caller set no deadline (never treat as 0)
+    return config.default_timeout_s if remaining is None else min(remaining, config.default_timeout_s)
+
+
+def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0.001
+
+
+def _status(exc: ServiceError) -> grpc.Status:
+    code = getattr(code_pb2, STATUS_OF[type(exc)])
+    details = []
+    if isinstance(exc, InvalidInput):
+        details.append(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)]))
+    elif isinstance(exc, Overloaded):
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
+        details.append(retry)
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)
+        packed.append(any_detail)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=exc.message, details=packed))
+
+
+def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeResponse:
+    outputs = []
+    for result in done:
+        out: Output = result.output
+        seq = pb.SequenceOutput(nonfinite=out.nonfinite)
+        if out.hidden is not None:
+            seq.hidden.CopyFrom(to_tensor(out.hidden, plan.output_dtype))
+        if out.pooled is not None:
+            seq.pooled.CopyFrom(to_tensor(out.pooled, plan.output_dtype))
+        if out.attention is not None:
+            seq.attention.CopyFrom(to_tensor(out.attention, plan.attention_dtype))
+        outputs.append(seq)
+    widest = max(done, key=lambda d: d.batch_size)
+    metadata = pb.ResponseMetadata(
+        queue_us=int(max(d.queue_s for d in done) * 1e6), compute_us=int(max(d.compute_s for d in done) * 1e6),
+        batch_size=widest.batch_size, padded_length=widest.padded_length, precision=spec.precision,
+        fp32_retry=any(d.output.nonfinite for d in done), device=spec.device, model_name=spec.name,
+        model_version=spec.version,
+    )
+    return pb.EncodeResponse(request_id=plan.request_id, outputs=outputs, metadata=metadata)

@@ -1,0 +1,151 @@
+"""EncodeRequest -> validated `Job`s, before anything is queued.
+
+Every check names the field (and index) it refers to; one bad sequence fails its own call with
+INVALID_ARGUMENT and never reaches a batch. Sizes of the response (hidden states and attention
+weights) are computed here, up front, so that nothing is computed only to be refused at send time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from client.tensors import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
+from proto.attention.v1 import attention_pb2 as pb
+from service.config import ServiceConfig
+from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
+from service.runner import Job, ModelSpec
+
+OUTPUT_DTYPES = (pb.DTYPE_UNSPECIFIED, *FLOAT_DTYPES)
+MAX_REQUEST_ID = 128
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated call: its jobs (one per sequence, in order) and how to encode the outputs."""
+
+    request_id: str
+    jobs: list[Job]
+    output_dtype: int  # a float DType
+    attention_dtype: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(job.length for job in self.jobs)
+
+
+def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> Plan:
+    if len(request.request_id) > MAX_REQUEST_ID:
+        raise InvalidInput("request_id", f"at most {MAX_REQUEST_ID} characters; got {len(request.request_id)}")
+    n = len(request.sequences)
+    if not 1 <= n <= config.max_sequences_per_call:
+        raise InvalidInput("sequences", f"must hold 1..{config.max_sequences_per_call} sequences; got {n}")
+    out, att = request.output, request.attention
+    output_dtype = _float_dtype("output.dtype", out.dtype)
+    attention_dtype = _float_dtype("attention.dtype", att.dtype)
+    if out.pooling not in pb.Pooling.values():
+        raise InvalidInput("output.pooling", f"unknown value {out.pooling}")
+    if att.heads not in pb.HeadReduction.values():
+        raise InvalidInput("attention.heads", f"unknown value {att.heads}")
+    layers = _attention_layers(att, spec, config)
+    return_hidden = out.return_hidden if out.HasField("return_hidden") else True
+    if not return_hidden and out.pooling == pb.POOLING_NONE and not layers:
+        raise InvalidInput("output", "nothing to return: hidden states off, no pooling, no attention")
+
+    jobs = []
+    for i, sequence in enumerate(request.sequences):
+        token_ids, embeddings = _decode_input(i, sequence, spec)
+        jobs.append(Job(
+            token_ids=token_ids, embeddings=embeddings, causal=request.causal, attn_layers=layers,
+            heads_mean=att.heads == pb.HEADS_MEAN, pooling=int(out.pooling), return_hidden=return_hidden,
+        ))
+    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype)
+    if plan.tokens > config.max_tokens_per_call:
+        raise InvalidInput("sequences", f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
+    _check_sizes(plan, spec, config)
+    return plan
+
+
+def _float_dtype(field: str, dtype: int) -> int:
+    if dtype not in OUTPUT_DTYPES:
+        raise InvalidInput(field, f"must be FLOAT32, FLOAT16 or BFLOAT16; got {dtype_name(dtype)}")
+    return dtype if dtype != pb.DTYPE_UNSPECIFIED else pb.DTYPE_FLOAT32
+
+
+def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: ServiceConfig) -> tuple[int, ...]:
+    if not att.return_attention:
+        if att.layers:
+            raise InvalidInput("attention.layers", "given, but return_attention is false")
+        return ()
+    if not config.allow_attention:
+        raise FailedPrecondition("return_attention is disabled on this deployment")
+    L = spec.n_layers
+    if not att.layers:
+        return tuple(range(L))
+    layers = []
+    for j, layer in enumerate(att.layers):
+        if not -L <= layer < L:
+            raise InvalidInput(f"attention.layers[{j}]", f"layer {layer} not in [-{L}, {L})")
+        layer %= L
+        if layer in layers:
+            raise InvalidInput(f"attention.layers[{j}]", f"layer {layer} asked for twice")
+        layers.append(layer)
+    return tuple(layers)
+
+
+def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.ndarray | None, np.ndarray | None]:
+    kind = sequence.WhichOneof("input")
+    if kind is None:
+        raise InvalidInput(f"sequences[{i}]", "one of token_ids or embeddings is required")
+    field = f"sequences[{i}].{kind}"
+    tensor = getattr(sequence, kind)
+    allowed = INT_DTYPES if kind == "token_ids" else FLOAT_DTYPES
+    if tensor.dtype not in allowed:
+        names = " or ".join(dtype_name(d) for d in allowed)
+        raise InvalidInput(field, f"dtype must be {names}; got {dtype_name(tensor.dtype)}")
+    want_rank = 1 if kind == "token_ids" else 2
+    if len(tensor.shape) != want_rank:
+        want = "[T]" if want_rank == 1 else f"[T, {spec.d_model}]"
+        raise InvalidInput(field, f"shape must be {want}; got {list(tensor.shape)}")
+    length = tensor.shape[0]
+    if not 1 <= length <= spec.max_length:
+        raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}")
+    if kind == "embeddings" and tensor.shape[1] != spec.d_model:
+        raise InvalidInput(field, f"shape must be [T, {spec.d_model}]; got {list(tensor.shape)}")
+    try:
+        array = from_tensor(tensor)
+    except TensorError as exc:
+        raise InvalidInput(field, str(exc)) from None
+    if kind == "token_ids":
+        bad = np.flatnonzero((array < 0) | (array >= spec.vocab_size))
+        if bad.size:
+            j = int(bad[0])
+            raise InvalidInput(f"{field}[{j}]", f"id {int(array[j])} not in [0, {spec.vocab_size})")
+        return array.astype(np.int64), None
+    embeddings = array.astype(np.float32)
+    if not np.isfinite(embeddings).all():
+        raise NonFiniteInput(field, "holds NaN or Inf")
+    return None, embeddings
+
+
+def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig) -> None:
+    """Refuse, before any compute, a call whose attention or whole response would be over budget."""
+    first = plan.jobs[0]
+    heads = 1 if first.heads_mean else spec.n_heads
+    attention = sum(len(job.attn_layers) * heads * job.length**2 for job in plan.jobs)
+    attention *= ITEMSIZE[plan.attention_dtype]
+    if attention > config.max_attention_bytes:
+        raise InvalidInput(
+            "attention",
+            f"attention weights would be {attention} bytes, over the budget of {config.max_attention_bytes} bytes; "
+            "ask for fewer layers, heads=HEADS_MEAN, FLOAT16, or shorter sequences",
+        )
+    per_value = ITEMSIZE[plan.output_dtype]
+    hidden = sum(job.length for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
+    pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
+    total = hidden + pooled + attention
+    if total > config.max_message_bytes:
+        raise InvalidInput(
+            "sequences", f"the response would be {total} bytes, over max_message_bytes {config.max_message_bytes}"
+        )

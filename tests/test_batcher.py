@@ -1,0 +1,296 @@
+"""The batcher's contract (service/batcher.py docstring), with a fake `execute` and event gates.
+
+No sleeps decide a result: a `threading.Event` holds the model thread while the queue fills, so
+"what was queued while the model ran" is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.batcher import Batcher, BatchLimits, Done, Request, choose_window
+from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
+
+
+class FakeModel:
+    """Records every batch; each output is the payload doubled. `gate` holds the model thread."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self.fail_payloads: set[int] = set()
+        self.raise_on: set[int] = set()
+
+    def __call__(self, payloads: list[int]) -> tuple[list[object], float]:
+        self.started.set()
+        assert self.gate.wait(10), "the test never opened the gate"
+        self.batches.append(list(payloads))
+        if self.raise_on & set(payloads):
+            raise RuntimeError("boom")
+        outs: list[object] = [ModelFailure() if p in self.fail_payloads else p * 2 for p in payloads]
+        return outs, 0.001
+
+
+def far() -> float:
+    return time.monotonic() + 30
+
+
+@pytest.fixture
+async def model_and_batcher():
+    made: list[Batcher[int]] = []
+
+    def make(**limits: float) -> tuple[FakeModel, Batcher[int]]:
+        model = FakeModel()
+        batcher: Batcher[int] = Batcher(model, BatchLimits(**limits))  # type: ignore[arg-type]
+        batcher.start()
+        made.append(batcher)
+        return model, batcher
+
+    yield make
+    for batcher in made:
+        await batcher.aclose()
+
+
+def req(payload: int, length: int = 10, key: object = "k") -> Request[int]:
+    return Request(payload, length, key)
+
+
+async def hold(model: FakeModel, batcher: Batcher[int]) -> asyncio.Future[Done]:
+    """Occupy the model thread with one item behind the closed gate; returns that item's future."""
+    model.gate.clear()
+    model.started.clear()
+    [item] = batcher.submit([req(-1)], far())
+    assert await asyncio.to_thread(model.started.wait, 10)
+    return item.future
+
+
+async def test_each_caller_gets_its_own_result(model_and_batcher):
+    model, batcher = model_and_batcher()
+    items = [batcher.submit([req(i, length=1 + i % 7)], far())[0] for i in range(50)]
+    results = await asyncio.gather(*(it.future for it in items))
+    assert [r.output for r in results] == [2 * i for i in range(50)]
+    assert sorted(p for b in model.batches for p in b) == list(range(50))
+
+
+async def test_idle_model_runs_at_once_and_queued_items_ride_together(model_and_batcher):
+    model, batcher = model_and_batcher()
+    first = await hold(model, batcher)  # ran alone, without waiting for company
+    later = [batcher.submit([req(i)], far())[0] for i in range(5)]
+    await asyncio.sleep(0.05)
+    assert not any(it.future.done() for it in later), "nothing may finish while the model is held"
+    model.gate.set()
+    results = await asyncio.gather(first, *(it.future for it in later))
+    assert model.batches == [[-1], [0, 1, 2, 3, 4]]
+    assert {r.batch_size for r in results[1:]} == {5}
+    assert results[0].batch_size == 1
+
+
+async def test_token_budget_and_size_are_never_exceeded(model_and_batcher):
+    model, batcher = model_and_batcher(max_batch_tokens=200, max_batch_size=6)
+    first = await hold(model, batcher)
+    lengths = [(i * 37) % 50 + 1 for i in range(60)]
+    items = [batcher.submit([req(i, length=n)], far())[0] for i, n in enumerate(lengths)]
+    model.gate.set()
+    results = await asyncio.gather(first, *(it.future for it in items))
+    for r in results:
+        assert r.batch_size * r.padded_length <= 200 and r.batch_size <= 6
+    for batch in model.batches[1:]:
+        assert len(batch) * max(lengths[p] for p in batch) <= 200
+
+
+async def test_different_computations_never_share_a_batch(model_and_batcher):
+    model, batcher = model_and_batcher()
+    first = await hold(model, batcher)
+    items = [batcher.submit([req(i, key=i % 3)], far())[0] for i in range(12)]
+    model.gate.set()
+    await asyncio.gather(first, *(it.future for it in items))
+    for batch in model.batches[1:]:
+        assert len({p % 3 for p in batch}) == 1
+    assert len(model.batches) == 1 + 3
+
+
+async def test_similar_lengths_are_grouped(model_and_batcher):
+    model, batcher = model_and_batcher(max_batch_tokens=800, max_batch_size=64, max_age_ms=1e6)
+    first = await hold(model, batcher)
+    lengths = {i: (10 if i % 2 else 100) for i in range(16)}  # interleaved short and long
+    items = [batcher.submit([req(i, length=n)], far())[0] for i, n in lengths.items()]
+    model.gate.set()
+    await asyncio.gather(first, *(it.future for it in items))
+    padded = sum(len(b) * max(lengths[p] for p in b) for b in model.batches[1:])
+    real = sum(lengths.values())
+    assert padded / real <= 1.05, model.batches  # FIFO batching would pad the shorts to 100: ratio ~1.8
+
+
+async def test_age_bound_puts_an_old_item_first(model_and_batcher):
+    for max_age_ms, long_goes_first in ((1e6, False), (0.0, True)):
+        model, batcher = model_and_batcher(max_batch_tokens=100, max_batch_size=64, max_age_ms=max_age_ms)
+        first = await hold(model, batcher)
+        old = batcher.submit([req(1000, length=100)], far())[0]
+        shorts = [batcher.submit([req(i, length=10)], far())[0] for i in range(10)]
+        model.gate.set()
+        await asyncio.gather(first, old.future, *(it.future for it in shorts))
+        assert (model.batches[1] == [1000]) is long_goes_first, model.batches
+
+
+async def test_old_item_is_not_starved_by_a_stream_of_newcomers(model_and_batcher):
+    model, batcher = model_and_batcher(max_batch_tokens=100, max_batch_size=64, max_age_ms=20)
+    old = batcher.submit([req(1000, length=100)], far())[0]
+    for i in range(200):  # newcomers keep arriving; shorts would always win on tokens alone
+        batcher.submit([req(i, length=10)], far())
+        await asyncio.sleep(0.001)
+        if old.future.done():
+            break
+    result = await asyncio.wait_for(old.future, 10)
+    assert result.output == 2000
+
+
+async def test_full_queue_refuses_at_once_and_admits_all_or_nothing(model_and_batcher):
+    model, batcher = model_and_batcher(max_queue_requests=3, max_queue_tokens=10_000)
+    first = await hold(model, batcher)
+    batcher.submit([req(1), req(2)], far())
+    with pytest.raises(Overloaded, match="queue holds 2/3"):
+        batcher.submit([req(3), req(4)], far())  # 2 + 2 > 3: none of them is admitted
+    batcher.submit([req(5)], far())
+    model.gate.set()
+    await first
+    await asyncio.sleep(0.05)
+    assert sorted(p for b in model.batches for p in b) == [-1, 1, 2, 5]
+
+
+async def test_expired_items_are_dropped_before_compute(model_and_batcher):
+    model, batcher = model_and_batcher()
+    first = await hold(model, batcher)
+    expired = batcher.submit([req(7)], time.monotonic() + 0.01)[0]
+    alive = batcher.submit([req(8)], far())[0]
+    await asyncio.sleep(0.05)
+    model.gate.set()
+    with pytest.raises(DeadlineExceeded):
+        await expired.future
+    assert (await alive.future).output == 16
+    await first
+    assert all(7 not in b for b in model.batches)
+
+
+async def test_cancelled_items_are_dropped_before_compute(model_and_batcher):
+    model, batcher = model_and_batcher()
+    first = await hold(model, batcher)
+    gone = batcher.submit([req(7)], far())
+    stays = batcher.submit([req(8)], far())[0]
+    batcher.cancel(gone)
+    model.gate.set()
+    assert (await stays.future).output == 16
+    await first
+    assert gone[0].future.cancelled()
+    assert all(7 not in b for b in model.batches)
+
+
+async def test_a_failing_batch_fails_only_its_items_and_the_loop_lives_on(model_and_batcher):
+    model, batcher = model_and_batcher()
+    model.raise_on = {3}
+    first = await hold(model, batcher)
+    bad = [batcher.submit([req(i, key="a")], far())[0] for i in (3, 4)]
+    good = batcher.submit([req(5, key="b")], far())[0]
+    model.gate.set()
+    await first
+    for item in bad:
+        with pytest.raises(ModelFailure, match=r"inference failed \(ref=[0-9a-f]+\)"):
+            await item.future
+    assert (await good.future).output == 10
+    after = batcher.submit([req(6, key="a")], far())[0]
+    assert (await after.future).output == 12
+
+
+async def test_per_item_errors_fail_only_that_item(model_and_batcher):
+    model, batcher = model_and_batcher()
+    model.fail_payloads = {2}
+    items = batcher.submit([req(1), req(2), req(3)], far())
+    outcomes = await asyncio.gather(*(it.future for it in items), return_exceptions=True)
+    assert outcomes[0].output == 2 and outcomes[2].output == 6
+    assert isinstance(outcomes[1], ModelFailure)
+
+
+async def test_max_wait_holds_a_batch_open_to_grow_it(model_and_batcher):
+    model, batcher = model_and_batcher(max_wait_ms=300)
+    a = batcher.submit([req(1)], far())[0]
+    await asyncio.sleep(0.05)
+    assert not a.future.done()
+    b = batcher.submit([req(2)], far())[0]
+    await asyncio.gather(a.future, b.future)
+    assert model.batches == [[1, 2]]
+
+
+async def test_close_refuses_new_work_and_aclose_answers_what_is_queued(model_and_batcher):
+    model, batcher = model_and_batcher()
+    first = await hold(model, batcher)
+    queued = batcher.submit([req(1)], far())[0]
+    batcher.close()
+    with pytest.raises(ShuttingDown):
+        batcher.submit([req(2)], far())
+    closing = asyncio.create_task(batcher.aclose())
+    await asyncio.sleep(0.05)
+    model.gate.set()
+    await closing
+    assert (await first).output == -2
+    with pytest.raises(ShuttingDown):
+        await queued.future
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=40),
+    budget=st.integers(64, 512),
+    size=st.integers(1, 16),
+    anchor_pick=st.none() | st.integers(0, 39),
+)
+def test_choose_window_respects_limits_and_anchor(lengths, budget, size, anchor_pick):
+    lengths = sorted(lengths)
+    anchor = None if anchor_pick is None else anchor_pick % len(lengths)
+    lo, hi = choose_window(lengths, BatchLimits(max_batch_tokens=budget, max_batch_size=size), anchor)
+    assert 0 <= lo <= hi < len(lengths)
+    assert hi - lo + 1 <= size and (hi - lo + 1) * lengths[hi] <= budget
+    if anchor is not None:
+        assert lo <= anchor <= hi
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.integers(1, 40), st.sampled_from(["keep", "cancel", "expire"])),
+                    min_size=1, max_size=30))
+def test_every_item_gets_exactly_one_outcome(ops):
+    async def scenario() -> None:
+        model = FakeModel()
+        batcher: Batcher[int] = Batcher(model, BatchLimits(max_batch_tokens=64, max_batch_size=4))
+        batcher.start()
+        model.gate.clear()
+        items = []
+        for i, (length, fate) in enumerate(ops):
+            deadline = time.monotonic() + (0.0 if fate == "expire" else 30)
+            [item] = batcher.submit([req(i, length=length)], deadline)
+            if fate == "cancel":
+                batcher.cancel([item])
+            items.append((item, fate))
+        model.gate.set()
+        await asyncio.wait_for(asyncio.gather(*(it.future for it, _ in items), return_exceptions=True), 10)
+        seen = [p for b in model.batches for p in b]
+        assert len(seen) == len(set(seen)), "an item was computed twice"
+        for i, (item, fate) in enumerate(items):
+            assert item.future.done()
+            if fate == "cancel" and item.state == "cancelled":
+                assert item.future.cancelled() and i not in seen
+            elif fate == "expire" and i not in seen:
+                assert isinstance(item.future.exception(), DeadlineExceeded)
+            elif not item.future.cancelled():
+                exc = item.future.exception()
+                assert exc is None or isinstance(exc, ServiceError)
+                if exc is None:
+                    assert item.future.result().output == 2 * i
+        await batcher.aclose()
+
+    asyncio.run(scenario())
