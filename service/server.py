@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from model.bundle import ensure_default_bundle
+from model.default import ensure_default_bundle
 from service.batcher import Batcher, BatchLimits
 from service.config import ServiceConfig
 from service.interceptors import MetricsInterceptor

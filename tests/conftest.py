@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny seeded model bundle, and real servers on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from model.bundle import load_bundle, save_bundle
+from model.config import TINY
+from model.encoder import Encoder
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1 import attention_pb2_grpc
+from service.config import ServiceConfig
+from service.server import Server, build_server
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The TINY encoder (d_model 32, 4 heads, 2 layers, vocab 100, max_length 64), seed 0."""
+    path = tmp_path_factory.mktemp("bundles") / "tiny"
+    save_bundle(Encoder(TINY).init_weights(0), path, name="tiny", version="1", source="seed:0")
+    return path
+
+
+@pytest.fixture(scope="session")
+def reference_model(tiny_bundle: Path) -> Callable[..., Any]:
+    """Direct in-process call of the tiny bundle (fp32): the truth the service must reproduce."""
+    module = load_bundle(tiny_bundle).module
+
+    def encode(ids: np.ndarray, *, causal: bool = False, layers: tuple[int, ...] = ()) -> tuple[Any, Any]:
+        with torch.inference_mode():
+            hidden, attention = module(torch.from_numpy(ids.astype(np.int64))[None], None,
+                                       torch.tensor([len(ids)]), causal, list(layers))
+        return hidden[0].numpy(), None if attention is None else attention[0].numpy()
+
+    return encode
+
+
+@dataclass
+class Running:
+    server: Server
+    port: int
+    channel: grpc.aio.Channel
+    stub: attention_pb2_grpc.AttentionServiceStub
+    registry: CollectorRegistry
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
+    base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, model=str(bundle), max_batch_tokens=2048,
+                         drain_grace_s=2.0)
+    return dataclasses.replace(base, **overrides)
+
+
+@pytest.fixture
+async def start_server(tiny_bundle: Path) -> AsyncIterator[Callable[..., Any]]:
+    """`await start_server(**config_overrides)` -> a ready `Running`; torn down after the test."""
+    running: list[Running] = []
+
+    async def start(wait_ready: bool = True, bundle: Path | None = None, **overrides: Any) -> Running:
+        registry = CollectorRegistry()
+        server, port = build_server(test_config(bundle or tiny_bundle, **overrides), registry)
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        r = Running(server, port, channel, attention_pb2_grpc.AttentionServiceStub(channel), registry)
+        running.append(r)
+        if wait_ready:
+            await server.ready()
+        return r
+
+    yield start
+    for r in running:
+        await r.channel.close()
+        await r.server.stop(0)
+
+
+@pytest.fixture
+async def served(start_server: Callable[..., Any]) -> Running:
+    return await start_server()
+
+
+def ids_request(*sequences: np.ndarray, **fields: Any) -> pb.EncodeRequest:
+    from client.tensors import to_tensor
+
+    return pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(np.asarray(s, np.int64))) for s in sequences],
+                            **fields)
