@@ -13,9 +13,11 @@ The contract (held by tests/test_batcher.py):
   event loop while the model runs. `max_wait_ms` > 0 may hold a not-full batch open to grow it.
 - A batch holds one computation `key` only (attention or not, causal or not, ...), at most
   `max_batch_size` items and at most `max_batch_tokens` tokens counted as size x padded length.
-- Length-aware: among the queued items of the chosen key it takes the window of similar lengths
-  that carries the most real tokens. Age bound: the key with the oldest item goes first, and once
-  that item has waited `max_age_ms` the window must contain it, so no item starves behind newcomers.
+- Length-aware: among the queued items of the chosen key, sorted by length, it takes the window of
+  similar lengths that does the most real work per unit of cost, where a batch costs its padded
+  tokens plus `batch_overhead_tokens` (the fixed cost of one forward, in tokens). Age bound: the
+  key with the oldest item goes first, and once that item has waited `max_age_ms` the window must
+  contain it, so no item starves behind newcomers.
 - Items whose deadline has passed or whose caller cancelled are dropped before they are computed.
 - `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError` per item, and
   the forward's wall time. An exception from it fails only that batch's items (as `ModelFailure`),
@@ -34,6 +36,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
+
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -46,7 +50,8 @@ class BatchLimits:
     max_batch_tokens: int = 16384
     max_batch_size: int = 64
     max_wait_ms: float = 0.0
-    max_age_ms: float = 100.0
+    max_age_ms: float = 500.0
+    batch_overhead_tokens: int = 128
     max_queue_tokens: int = 262144
     max_queue_requests: int = 4096
 
@@ -102,26 +107,28 @@ class _NullObserver:
 def choose_window(lengths: Sequence[int], limits: BatchLimits, anchor: int | None) -> tuple[int, int]:
     """Given lengths sorted ascending, the [lo, hi] window to batch (inclusive).
 
-    For each right end hi, the window takes as many items just below it as the size and token
-    limits allow (all padded to lengths[hi]); it picks the window with the most real tokens, then
-    the least padding. With `anchor`, only windows that contain it are considered.
+    Every window within the size and token limits (all padded to lengths[hi]) is scored by real
+    tokens / (padded tokens + batch_overhead_tokens); the best wins, ties going to more real tokens.
+    With `anchor`, only windows that contain it are considered. Vectorised: n x max_batch_size cells.
     """
-    best: tuple[int, int] = (0, 0)
-    best_score = (-1, 0)
-    prefix = [0]
-    for n in lengths:
-        prefix.append(prefix[-1] + n)
-    start = 0 if anchor is None else anchor
-    for hi in range(start, len(lengths)):
-        cap = min(limits.max_batch_size, limits.max_batch_tokens // max(lengths[hi], 1))
-        lo = max(0, hi - cap + 1)
-        if anchor is not None and lo > anchor:
-            break
-        real = prefix[hi + 1] - prefix[lo]
-        score = (real, -(hi - lo + 1) * lengths[hi])
-        if score > best_score:
-            best, best_score = (lo, hi), score
-    return best
+    n = len(lengths)
+    length = np.asarray(lengths, dtype=np.int64)
+    prefix = np.concatenate(([0], np.cumsum(length)))
+    hi = np.arange(n)[:, None]  # (n, 1)
+    size = np.arange(1, min(limits.max_batch_size, n) + 1)[None, :]  # (1, k)
+    lo = hi - size + 1  # (n, k)
+    padded = size * length[:, None]  # (n, k)
+    valid = (lo >= 0) & (padded <= limits.max_batch_tokens)
+    if anchor is not None:
+        valid &= (lo <= anchor) & (hi >= anchor)
+    real = prefix[hi + 1] - prefix[np.clip(lo, 0, None)]  # (n, k)
+    score = np.where(valid, real / (padded + limits.batch_overhead_tokens) + real * 1e-12, -1.0)
+    best = int(np.argmax(score))
+    if score.flat[best] < 0:  # nothing fits the budget (one item longer than it): run one alone
+        one = 0 if anchor is None else anchor
+        return one, one
+    h, k = divmod(best, score.shape[1])
+    return h - k, h
 
 
 class Batcher(Generic[P]):
@@ -255,14 +262,16 @@ class Batcher(Generic[P]):
         """The next batch, and how long to hold it open for `max_wait_ms` (0 = run it now)."""
         queue = min(self._queues.values(), key=lambda q: q[0].enqueued_at)
         oldest = queue[0]
-        ordered = sorted(queue, key=lambda item: item.request.length)
+        # Choose among the oldest few only: bounded work per batch, and a bounded wait for everyone.
+        pool = queue[: max(4 * self._limits.max_batch_size, 256)]
+        ordered = sorted(pool, key=lambda item: item.request.length)
         anchor = None
         if now - oldest.enqueued_at >= self._limits.max_age_ms / 1e3:
             anchor = ordered.index(oldest)
         lo, hi = choose_window([item.request.length for item in ordered], self._limits, anchor)
         batch = ordered[lo : hi + 1]
         hold = 0.0
-        if self._limits.max_wait_ms > 0 and lo == 0 and hi == len(ordered) - 1:
+        if self._limits.max_wait_ms > 0 and lo == 0 and hi == len(queue) - 1:
             # Everything compatible fits: waiting could grow the batch, up to max_wait_ms.
             longest = batch[-1].request.length
             full = len(batch) >= self._limits.max_batch_size or (

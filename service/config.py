@@ -52,7 +52,7 @@ class ServiceConfig:
     max_batch_tokens: int = _opt(16384, "token budget of one batch, counted as batch size x padded length")
     max_batch_size: int = _opt(64, "most sequences in one batch")
     max_wait_ms: float = _opt(0.0, "hold a not-full batch open up to this long to grow it (0 = never wait)")
-    max_age_ms: float = _opt(100.0, "a sequence queued this long is batched next, whatever its length")
+    max_age_ms: float = _opt(500.0, "a sequence queued this long is batched next, whatever its length")
     max_queue_tokens: int = _opt(262144, "queued tokens beyond which calls get RESOURCE_EXHAUSTED at once")
     max_queue_requests: int = _opt(4096, "queued sequences beyond which calls get RESOURCE_EXHAUSTED at once")
     # Per-call limits

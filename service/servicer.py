@@ -150,7 +150,9 @@ class AttentionServicer:
         except TimeoutError:
             raise DeadlineExceeded("deadline exceeded") from None
         finally:
-            self._batcher.cancel([item for item in items if not item.future.done()])
+            # All of them: a cancelled gather() has already cancelled its futures, but their items
+            # may still be queued. Items that ran or are running are left alone.
+            self._batcher.cancel(items)
         self._metrics.sequences.inc(len(done))
         return _response(plan, done, spec)
 

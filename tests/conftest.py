@@ -32,6 +32,16 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def fault_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """model/faults.py's fault-injecting TINY model (sentinel ids sleep, raise, NaN, ...), seed 0."""
+    from model.faults import build_fault_bundle
+
+    path = tmp_path_factory.mktemp("bundles") / "faults"
+    build_fault_bundle(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def reference_model(tiny_bundle: Path) -> Callable[..., Any]:
     """Direct in-process call of the tiny bundle (fp32): the truth the service must reproduce."""
     module = load_bundle(tiny_bundle).module
