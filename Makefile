@@ -14,7 +14,7 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP)
 
-run: $(STAMP)  ## start the service on the built-in default model (127.0.0.1:50051, metrics :9090)
+run: $(STAMP)  ## start the service on the built-in default model (127.0.0.1:50051, metrics 127.0.0.1:9464)
 	$(BIN)/python -m service
 
 system-deps:  ## Debian packages the tests use (prometheus, promtool); no-op when present
