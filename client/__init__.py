@@ -1,1 +1,46 @@
-"""Client library for the attention encoder service (numpy in, numpy out; no torch needed)."""
+"""Client library for the attention encoder service (numpy in, numpy out; no torch needed).
+
+    from client import EncoderClient, SyncEncoderClient, ClientError
+
+`python -m client --help` is the command-line tool; `python -m client.health` the probe.
+"""
+
+from client.channel import TLS, RetryPolicy, channel_options, resolve_target, service_config
+from client.client import EncoderClient, SyncEncoderClient
+from client.errors import (
+    Cancelled,
+    ClientError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    Overloaded,
+    ServerError,
+    Unauthenticated,
+    Unavailable,
+)
+from client.messages import EncodeOptions, EncodeResult, Limits, ModelInfo, ResponseMetadata, StreamRequest
+
+__all__ = [
+    "TLS",
+    "Cancelled",
+    "ClientError",
+    "DeadlineExceeded",
+    "EncodeOptions",
+    "EncodeResult",
+    "EncoderClient",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "Limits",
+    "ModelInfo",
+    "Overloaded",
+    "ResponseMetadata",
+    "RetryPolicy",
+    "ServerError",
+    "StreamRequest",
+    "SyncEncoderClient",
+    "Unauthenticated",
+    "Unavailable",
+    "channel_options",
+    "resolve_target",
+    "service_config",
+]

@@ -6,20 +6,24 @@ nearest even when encoding); decoding widens it back to float32. Shared by clien
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 
 from proto.attention.v1 import attention_pb2 as pb
 
-_NUMPY_OF = {
+_NUMPY_OF: dict[int, np.dtype[Any]] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_INT32: np.dtype("<i4"),
     pb.DTYPE_INT64: np.dtype("<i8"),
 }
-ITEMSIZE = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8}
+ITEMSIZE: dict[int, int] = {
+    pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8,
+}
 FLOAT_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 INT_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
-_DTYPE_OF_NUMPY = {np.dtype(v).newbyteorder("="): k for k, v in _NUMPY_OF.items()}
+_DTYPE_OF_NUMPY: dict[np.dtype[Any], int] = {np.dtype(v).newbyteorder("="): k for k, v in _NUMPY_OF.items()}
 
 
 class TensorError(ValueError):
@@ -38,7 +42,8 @@ def float32_to_bfloat16_bits(array: np.ndarray) -> np.ndarray:
     nan = np.isnan(array)
     if nan.any():
         out[nan] = np.uint16(0x7FC0)
-    return out
+    bits16: np.ndarray = out
+    return bits16
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
@@ -59,7 +64,7 @@ def to_tensor(array: np.ndarray, dtype: int | None = None) -> pb.Tensor:
         data = np.ascontiguousarray(array, dtype=_NUMPY_OF[dtype]).tobytes()
     else:
         raise TensorError(f"unsupported tensor dtype {dtype_name(dtype)}")
-    return pb.Tensor(dtype=dtype, shape=array.shape, data=data)
+    return pb.Tensor(dtype=cast(pb.DType, dtype), shape=array.shape, data=data)
 
 
 def from_tensor(tensor: pb.Tensor) -> np.ndarray:

@@ -1,0 +1,340 @@
+"""`python -m client`: encode, info, health, plot (attention heatmap) and bench (closed-loop load).
+
+Exit codes: 0 ok; 1 the server refused or failed (the status is printed on stderr), or not
+SERVING for `health`; 2 bad usage or an unreadable input file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from client._args import add_connection_arguments, tls_of, token_of
+from client.channel import DEFAULT_TIMEOUT_S, SERVICE
+from client.client import SyncEncoderClient
+from client.errors import ClientError
+from client.messages import DTYPES, EncodeResult, ModelInfo
+
+
+class UsageError(Exception):
+    """Bad flags or input file; exit code 2."""
+
+
+# -- inputs and outputs ---------------------------------------------------------------------------
+
+
+def read_sequences(args: argparse.Namespace) -> list[npt.NDArray[Any]]:
+    """--ids (repeatable) and/or --file: .json (a list of id lists, or one list), .npy (1-D ids,
+    2-D ids = one row per sequence, 2-D float = one embedding sequence, 3-D float = several), or
+    .npz (one sequence per array)."""
+    sequences = [np.asarray(ids, dtype=np.int64) for ids in args.ids or ()]
+    if args.file:
+        path = Path(args.file)
+        try:
+            if path.suffix == ".json":
+                data = json.loads(path.read_text())
+                if isinstance(data, list) and data and all(isinstance(x, int | float) for x in data):
+                    data = [data]
+                if not isinstance(data, list):
+                    raise UsageError(f"{path}: expected a JSON list of sequences")
+                sequences += [np.asarray(item) for item in data]
+            elif path.suffix == ".npz":
+                with np.load(path) as archive:
+                    sequences += [archive[name] for name in archive.files]
+            elif path.suffix == ".npy":
+                array = np.load(path)
+                if array.ndim == 1 or (array.ndim == 2 and array.dtype.kind == "f"):
+                    sequences.append(array)
+                else:
+                    sequences += list(array)
+            else:
+                raise UsageError(f"{path}: use a .json, .npy or .npz file")
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"cannot read {path}: {exc}") from exc
+    if not sequences:
+        raise UsageError("no input: give --ids N [N ...] (repeatable) or --file")
+    return sequences
+
+
+def arrays_of(result: EncodeResult) -> dict[str, npt.NDArray[np.float32]]:
+    """Named output arrays: `pooled` [N, d_model]; `hidden`/`attention` for one sequence, else
+    `hidden_<i>`/`attention_<i>` (lengths differ)."""
+    out: dict[str, npt.NDArray[np.float32]] = {}
+    if result.pooled:
+        out["pooled"] = np.stack(result.pooled)
+    for name, arrays in (("hidden", result.hidden), ("attention", result.attention)):
+        for i, array in enumerate(arrays):
+            out[name if len(result) == 1 else f"{name}_{i}"] = array
+    return out
+
+
+def result_json(result: EncodeResult) -> dict[str, Any]:
+    outputs = []
+    for i in range(len(result)):
+        entry: dict[str, Any] = {"nonfinite": result.nonfinite[i]}
+        for name, arrays in (("hidden", result.hidden), ("pooled", result.pooled), ("attention", result.attention)):
+            if arrays:
+                entry[name] = arrays[i].tolist()
+        outputs.append(entry)
+    return {"request_id": result.request_id, "metadata": asdict(result.metadata), "outputs": outputs}
+
+
+def write_result(result: EncodeResult, out: Path) -> str:
+    if out.suffix == ".json":
+        out.write_text(json.dumps(result_json(result)))
+        return f"wrote {out} (JSON, {len(result)} sequence(s))"
+    arrays = arrays_of(result)
+    if out.suffix == ".npz":
+        np.savez(out, **arrays)  # type: ignore[arg-type]
+        return f"wrote {out}: " + ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items())
+    if out.suffix == ".npy":
+        if len(arrays) != 1:
+            raise UsageError(f"{len(arrays)} arrays ({', '.join(arrays)}): use --out FILE.npz or FILE.json, "
+                             "or ask for one output (e.g. --pooling mean --no-hidden)")
+        ((name, array),) = arrays.items()
+        np.save(out, array)
+        return f"wrote {out}: {name} {list(array.shape)}"
+    raise UsageError(f"--out {out}: use a .npy, .npz or .json file")
+
+
+def _preview(array: npt.NDArray[np.float32], count: int) -> str:
+    flat = array.reshape(-1)
+    values = ", ".join(f"{v:.4f}" for v in flat[:count])
+    return f"[{values}{', ...' if flat.size > count else ''}]"
+
+
+def format_result(result: EncodeResult, count: int = 4) -> str:
+    lines = []
+    for i in range(len(result)):
+        lines.append(f"sequence {i}:" + ("  (nonfinite in reduced precision; fp32 re-run)" if result.nonfinite[i]
+                                          else ""))
+        for name, arrays in (("hidden", result.hidden), ("pooled", result.pooled), ("attention", result.attention)):
+            if arrays:
+                a = arrays[i]
+                lines.append(f"  {name:<9} {str(list(a.shape)):<16} {_preview(a, count)}")
+    m = result.metadata
+    lines.append(f"model {m.model_name} v{m.model_version} on {m.device} ({m.precision}); queue {m.queue_us / 1e3:.2f} "
+                 f"ms, compute {m.compute_us / 1e3:.2f} ms, batch {m.batch_size} x {m.padded_length}"
+                 + (", fp32 retry" if m.fp32_retry else ""))
+    return "\n".join(lines)
+
+
+def format_info(info: ModelInfo) -> str:
+    rows = [("name", info.name), ("version", info.version), ("checksum", info.checksum),
+            ("d_model", info.d_model), ("n_heads", info.n_heads), ("n_layers", info.n_layers),
+            ("vocab_size", info.vocab_size), ("max_length", info.max_length), ("positional", info.positional),
+            ("precision", info.precision), ("device", info.device)]
+    rows += [(f"limits.{k}", v) for k, v in asdict(info.limits).items()]
+    return "\n".join(f"{k:<30} {v}" for k, v in rows)
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace, timeout: float = DEFAULT_TIMEOUT_S) -> SyncEncoderClient:
+    return SyncEncoderClient(args.target, timeout=args.timeout or timeout, tls=tls_of(args), token=token_of(args))
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    sequences = read_sequences(args)
+    with _client(args) as client:
+        result = client.encode(sequences, pooling=args.pooling, return_hidden=not args.no_hidden,
+                               output_dtype=args.dtype, attention=args.attention, layers=args.layers,
+                               heads=args.heads, attention_dtype=args.dtype, causal=args.causal,
+                               request_id=args.request_id)
+    if args.out:
+        print(write_result(result, Path(args.out)))
+    else:
+        print(format_result(result, args.preview))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.model_info()
+    print(json.dumps(asdict(info), indent=2) if args.json else format_info(info))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from client.health import probe
+
+    serving, line = probe(args.target, args.service, args.timeout or 2.0, tls_of(args), token_of(args))
+    print(line)
+    return 0 if serving else 1
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    sequences = read_sequences(args)
+    ids = sequences[0]
+    head_mean = args.head == "mean"
+    if not head_mean and not args.head.lstrip("-").isdigit():
+        raise UsageError(f"--head must be a head index or 'mean'; got {args.head!r}")
+    with _client(args) as client:
+        info = client.model_info()
+        result = client.encode([ids], return_hidden=False, layers=[args.layer], heads="mean" if head_mean else "all",
+                               causal=args.causal)
+    attention = result.attention[0]  # [1, H or 1, T, T]
+    if head_mean:
+        weights, head_label = attention[0, 0], "mean of heads"
+    else:
+        head = int(args.head)
+        if not -info.n_heads <= head < info.n_heads:
+            raise UsageError(f"--head {head} not in [-{info.n_heads}, {info.n_heads})")
+        weights, head_label = attention[0, head], f"head {head % info.n_heads}"
+    layer = args.layer % info.n_layers
+    title = f"{info.name} v{info.version}: layer {layer}, {head_label}" + (" (causal)" if args.causal else "")
+    save_heatmap(weights, ids if ids.ndim == 1 else None, title, Path(args.out), dpi=args.dpi)
+    print(f"wrote {args.out}: {title}, {weights.shape[0]} tokens")
+    return 0
+
+
+def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | None, title: str, out: Path, *,
+                 dpi: int = 120) -> None:
+    """Query rows x key columns; tick labels are `position:id` for short token-id inputs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    T = weights.shape[0]
+    size = min(4.0 + 0.18 * T, 14.0)
+    fig, ax = plt.subplots(figsize=(size + 1.2, size), dpi=dpi)
+    try:
+        image = ax.imshow(weights, cmap="viridis", vmin=0.0, interpolation="nearest", aspect="equal")
+        if ids is not None and T <= 48:
+            labels = [f"{i}:{int(t)}" for i, t in enumerate(ids)]
+            ax.set_xticks(range(T), labels, rotation=90, fontsize=7)
+            ax.set_yticks(range(T), labels, fontsize=7)
+            ax.set_xlabel("key (position:token id)")
+            ax.set_ylabel("query (position:token id)")
+        else:
+            ax.set_xlabel("key position")
+            ax.set_ylabel("query position")
+        ax.set_title(title)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="attention weight")
+        fig.tight_layout()
+        fig.savefig(out, format="png")
+    finally:
+        plt.close(fig)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from client.bench import parse_lengths, run_load
+
+    try:
+        lengths = parse_lengths(args.lengths if args.lengths else str(args.length))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    duration = args.duration if args.duration is not None or args.requests is not None else 10.0
+    try:
+        report = asyncio.run(run_load(
+            args.target, concurrency=args.concurrency, duration_s=duration, max_requests=args.requests,
+            lengths=lengths, sequences_per_request=args.seq_per_call, warmup_s=args.warmup, seed=args.seed,
+            attention=args.attention, dtype=args.dtype, pooling=args.pooling, timeout=args.timeout or DEFAULT_TIMEOUT_S,
+            connections=args.connections, tls=tls_of(args), token=token_of(args), progress=not args.no_progress,
+        ))
+    except ValueError as exc:
+        if isinstance(exc, ClientError):
+            raise
+        raise UsageError(str(exc)) from exc
+    print(report.format())
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(samples=args.samples), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+
+
+def _input_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ids", type=int, nargs="+", action="append", metavar="ID",
+                   help="token ids of one sequence; repeat for several")
+    p.add_argument("--file", help="input sequences: .json (list of id lists), .npy or .npz")
+    p.add_argument("--causal", action="store_true", help="lookahead mask: position i sees positions <= i")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m client", description="Command-line client of the attention "
+                                     "encoder service: encode, info, health, plot, bench.")
+    add_connection_arguments(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    dtypes = sorted(k for k in DTYPES if "float" in k)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        add_connection_arguments(p, default=argparse.SUPPRESS)  # also accepted after the command
+        return p
+
+    p = command("encode", "encode sequences; print shapes and a preview, or write --out")
+    _input_arguments(p)
+    p.add_argument("--pooling", choices=("none", "mean", "cls"), default="none")
+    p.add_argument("--no-hidden", action="store_true", help="do not return hidden states")
+    p.add_argument("--attention", action="store_true", help="return attention weights")
+    p.add_argument("--layers", type=int, nargs="+", metavar="L", help="attention layers (negative from the end)")
+    p.add_argument("--heads", choices=("all", "mean"), default="all")
+    p.add_argument("--dtype", choices=dtypes, default="float32", help="wire precision of the outputs")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--out", help="write .npy (one array), .npz or .json instead of printing")
+    p.add_argument("--preview", type=int, default=4, help="values shown per array")
+    p.set_defaults(run=cmd_encode)
+
+    p = command("info", "print the model info and limits")
+    p.add_argument("--json", action="store_true", help="as JSON")
+    p.set_defaults(run=cmd_info)
+
+    p = command("health", "exit 0 when SERVING, 1 otherwise (default timeout 2 s)")
+    p.add_argument("--service", default=SERVICE, help=f"grpc.health.v1 service name [default {SERVICE}]")
+    p.set_defaults(run=cmd_health)
+
+    p = command("plot", "attention heatmap PNG of one sequence")
+    _input_arguments(p)
+    p.add_argument("--layer", type=int, default=-1, help="layer (negative from the end) [default -1]")
+    p.add_argument("--head", default="mean", help="head index, or 'mean' [default mean]")
+    p.add_argument("--dpi", type=int, default=120)
+    p.add_argument("--out", required=True, help="PNG file to write")
+    p.set_defaults(run=cmd_plot)
+
+    p = command("bench", "closed-loop load: throughput, latency percentiles, server queue/compute split")
+    p.add_argument("--concurrency", type=int, default=8, help="callers, one call in flight each [default 8]")
+    p.add_argument("--duration", type=float, help="measured seconds, at most 600 [default 10 unless --requests]")
+    p.add_argument("--requests", type=int, help="stop after this many measured calls")
+    p.add_argument("--warmup", type=float, default=0.0, help="seconds of unmeasured load first")
+    lengths = p.add_mutually_exclusive_group()
+    lengths.add_argument("--length", type=int, default=128, help="tokens per sequence [default 128]")
+    lengths.add_argument("--lengths", help="LOW:HIGH, uniform lengths")
+    p.add_argument("--seq-per-call", type=int, default=1, help="sequences per Encode call [default 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", action="store_true", help="ask for attention weights (all layers)")
+    p.add_argument("--dtype", choices=dtypes, default="float32", help="wire precision of the outputs")
+    p.add_argument("--pooling", choices=("none", "mean", "cls"), default="none")
+    p.add_argument("--connections", type=int, default=1, help="gRPC connections, callers spread over them")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--samples", action="store_true", help="include per-call latencies in --json")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.run(args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ClientError as exc:
+        where = f" (field {exc.field})" if exc.field and exc.field not in exc.message else ""
+        print(f"error: {exc.code}: {exc.message}{where}", file=sys.stderr)
+        return 1
+    return code

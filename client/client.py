@@ -1,0 +1,288 @@
+"""`EncoderClient` (asyncio) and `SyncEncoderClient`: numpy in, numpy out, a deadline on every call.
+
+    async with EncoderClient("127.0.0.1:50051") as client:
+        result = await client.encode([np.array([1, 2, 3])], pooling="mean")
+        result.pooled[0]  # float32 [d_model]
+
+Failed calls raise `client.errors.ClientError` subclasses, never a raw `grpc.RpcError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client.channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRY,
+    DEFAULT_TIMEOUT_S,
+    TLS,
+    RetryPolicy,
+    call_metadata,
+    channel_options,
+    open_aio_channel,
+    open_sync_channel,
+    resolve_target,
+)
+from client.errors import ClientError, InvalidArgument, error_for, from_rpc_error
+from client.messages import (
+    DTypeName,
+    EncodeOptions,
+    EncodeResult,
+    Heads,
+    ModelInfo,
+    Pooling,
+    Sequences,
+    StreamRequest,
+    build_request,
+)
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1 import attention_pb2_grpc
+
+SERVING_STATUS = health_pb2.HealthCheckResponse.ServingStatus
+# The generated *_pb2_grpc module is untyped; its stubs are used as Any.
+_stubs: Any = attention_pb2_grpc
+
+
+class _Base:
+    """Settings shared by both clients."""
+
+    def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, tls: TLS | None = None,
+                 token: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = ()) -> None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds; got {timeout}")
+        self.target = resolve_target(target)
+        self.timeout = timeout
+        self._tls = tls
+        self._metadata = call_metadata(token)
+        self._options = channel_options(max_message_bytes=max_message_bytes, retry=retry, tls=tls, extra=options)
+        self._max_message_bytes = max_message_bytes
+
+    def _request(self, sequences: Sequences, options: EncodeOptions, request_id: str) -> pb.EncodeRequest:
+        request = build_request(sequences, options, request_id)
+        # grpc would refuse it locally with RESOURCE_EXHAUSTED, and the retry policy would try again.
+        size = request.ByteSize()
+        if size > self._max_message_bytes:
+            raise InvalidArgument("INVALID_ARGUMENT", f"the request is {size} bytes, over max_message_bytes "
+                                  f"{self._max_message_bytes}; split it into several calls", field="sequences")
+        return request
+
+    def _deadline(self, timeout: float | None) -> float:
+        """Seconds for this call: its own `timeout`, else the client's. Never None: no call goes
+        without a deadline."""
+        if timeout is None:
+            return self.timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds; got {timeout}")
+        return timeout
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r}, timeout={self.timeout}, tls={self._tls is not None})"
+
+
+def _options(pooling: Pooling, return_hidden: bool, output_dtype: DTypeName, attention: bool,
+             layers: Iterable[int] | None, heads: Heads, attention_dtype: DTypeName, causal: bool) -> EncodeOptions:
+    return EncodeOptions(pooling, return_hidden, output_dtype, attention, None if layers is None else tuple(layers),
+                         heads, attention_dtype, causal)
+
+
+def _health_status(response: health_pb2.HealthCheckResponse) -> str:
+    return str(SERVING_STATUS.Name(response.status))
+
+
+class EncoderClient(_Base):
+    """Asyncio client of `attention.v1.AttentionService`. Use `async with`, or call `aclose()`.
+
+    `target`: "host:port", a gRPC URI such as "dns:///encoder.svc:50051", or several "host:port"
+    addresses (a list or a comma-separated string), balanced round-robin. `timeout` is the default
+    deadline of every call, in seconds. `tls` turns on TLS (mutual with a client certificate);
+    `token` is sent as `authorization: Bearer <token>`. `retry=None` switches gRPC retries off.
+    `options` are extra channel arguments, e.g. `[("grpc.keepalive_time_ms", 60000)]`.
+    """
+
+    def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, tls: TLS | None = None,
+                 token: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(target, timeout=timeout, tls=tls, token=token, max_message_bytes=max_message_bytes,
+                         retry=retry, options=options)
+        # Opened on first use: a grpc.aio channel belongs to the event loop it is created in.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: Any = None
+        self._health: Any = None
+
+    def _open(self) -> None:
+        if self._channel is None:
+            self._channel = open_aio_channel(self.target, self._tls, self._options)
+            self._stub = _stubs.AttentionServiceStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def __aenter__(self) -> Self:
+        self._open()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the channel; calls still running are cancelled."""
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()
+
+    async def encode(self, sequences: Sequences, *, pooling: Pooling = "none", return_hidden: bool = True,
+                     output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
+                     heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
+                     request_id: str = "", timeout: float | None = None) -> EncodeResult:
+        """Encode sequences of token ids ([T] integers) or embeddings ([T, d_model] floats).
+
+        `pooling`: "mean" (over the real tokens) or "cls" (the first token) adds `result.pooled`.
+        `return_hidden=False` leaves `result.hidden` empty. `output_dtype` is the wire precision of
+        hidden and pooled ("float16"/"bfloat16" halve the bytes; returned arrays are float32).
+        `attention=True` adds `result.attention`, [L, H, T, T] per sequence: `layers` picks layers
+        (negative counts from the end; naming layers implies attention), `heads="mean"` averages
+        the heads ([L, 1, T, T]), `attention_dtype` as `output_dtype`. `causal` masks lookahead.
+        Raises `ClientError` subclasses; `InvalidArgument.field` names the offending input.
+        """
+        options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal)
+        request = self._request(sequences, options, request_id)
+        return EncodeResult.from_proto(await self._encode(request, timeout))
+
+    async def _encode(self, request: pb.EncodeRequest, timeout: float | None) -> pb.EncodeResponse:
+        self._open()
+        try:
+            response: pb.EncodeResponse = await self._stub.Encode(request, timeout=self._deadline(timeout),
+                                                                  metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return response
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The served model, its precision and device, and the per-call limits."""
+        self._open()
+        try:
+            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout),
+                                                 metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return ModelInfo.from_proto(info)
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """`grpc.health.v1` status of `service` ("" = the process, "attention.v1.AttentionService" =
+        ready to encode): "SERVING", "NOT_SERVING", or "SERVICE_UNKNOWN" for a name the server
+        does not know. An unreachable server raises `Unavailable`."""
+        self._open()
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            response = await self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise from_rpc_error(exc) from exc
+        return _health_status(response)
+
+    async def encode_stream(self, requests: AsyncIterable[StreamRequest] | Iterable[StreamRequest], *,
+                            timeout: float | None = None) -> AsyncIterator[EncodeResult | ClientError]:
+        """Send requests over one bidirectional stream; yield one item per request, in completion
+        order: an `EncodeResult`, or the `ClientError` of a request that failed (its
+        `request_id` set; the stream goes on). `timeout` bounds the whole stream. A failure of
+        the stream itself raises; so does a request the client cannot build (`InvalidArgument`)
+        or an error of `requests` itself, after the requests sent before it have been answered."""
+        self._open()
+
+        failure: list[Exception] = []
+
+        async def messages() -> AsyncIterator[pb.EncodeRequest]:
+            index = 0
+            try:
+                if isinstance(requests, AsyncIterable):
+                    async for item in requests:
+                        yield self._request(item.sequences, item.options, item.request_id or str(index))
+                        index += 1
+                else:
+                    for item in requests:
+                        yield self._request(item.sequences, item.options, item.request_id or str(index))
+                        index += 1
+            except Exception as exc:
+                # Raised inside grpc's sending task it would only cancel the call: end the request
+                # stream instead, let the requests already sent finish, then raise it to the caller.
+                failure.append(exc)
+
+        call = self._stub.EncodeStream(messages(), timeout=self._deadline(timeout), metadata=self._metadata)
+        try:
+            async for response in call:
+                if response.HasField("error"):
+                    e = response.error
+                    yield error_for(e.code, e.message, field=e.field or None, request_id=response.request_id)
+                else:
+                    yield EncodeResult.from_proto(response)
+        except grpc.aio.AioRpcError as exc:
+            if failure:
+                raise failure[0] from exc
+            raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()  # no-op once finished; stops the stream when the caller stops early
+        if failure:
+            raise failure[0]
+
+
+class SyncEncoderClient(_Base):
+    """Blocking twin of `EncoderClient` (same arguments and methods, no streaming). Use `with`,
+    or call `close()`."""
+
+    def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, tls: TLS | None = None,
+                 token: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(target, timeout=timeout, tls=tls, token=token, max_message_bytes=max_message_bytes,
+                         retry=retry, options=options)
+        self._channel = open_sync_channel(self.target, self._tls, self._options)
+        self._stub = _stubs.AttentionServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def encode(self, sequences: Sequences, *, pooling: Pooling = "none", return_hidden: bool = True,
+               output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
+               heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
+               request_id: str = "", timeout: float | None = None) -> EncodeResult:
+        """See `EncoderClient.encode`."""
+        options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal)
+        request = self._request(sequences, options, request_id)
+        try:
+            response = self._stub.Encode(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return EncodeResult.from_proto(response)
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        """See `EncoderClient.model_info`."""
+        try:
+            info = self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout),
+                                           metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return ModelInfo.from_proto(info)
+
+    def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        """See `EncoderClient.health`."""
+        request = health_pb2.HealthCheckRequest(service=service)
+        try:
+            response = self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"
+            raise from_rpc_error(exc) from exc
+        return _health_status(response)
