@@ -1,0 +1,1 @@
+"""Benchmarks: the model ceiling (model_bench) and the service against it (service_bench)."""

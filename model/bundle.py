@@ -1,0 +1,274 @@
+"""Model bundles (TorchScript file + JSON manifest): export, verify, load. The only module that uses torch.jit.
+
+A bundle is a directory:
+  model.pt       torch.jit.script of a module with Encoder.forward's signature, fp32 weights
+  manifest.json  {format_version, name, version, config, sha256, weights_sha256, dtype,
+                  validated_precisions, created_at, source}
+Loading needs torch and json only, never our Python classes (fault bundles need their ops registered:
+load_bundle imports model.faults for them). torch 2.13 deprecates torch.jit; keeping every call here
+lets torch.export replace it behind the same two functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from model.config import EncoderConfig
+
+FORMAT_VERSION = 1
+MODEL_FILE = "model.pt"
+MANIFEST_FILE = "manifest.json"
+FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.faults registers
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Largest relative error of reduced-precision hidden states vs fp32 that export accepts (max |diff| /
+# max |fp32|); measured values are in model/encoder.py's docstring and held by test_model_numerics.
+RELATIVE_ERROR_BOUND = {"bfloat16": 0.03, "float16": 0.005}
+_FP32_ATOL = 1e-5  # scripted vs eager at export
+
+
+class BundleError(Exception):
+    """A bundle cannot be written or loaded: missing or malformed file, checksum mismatch, failed check."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json. `sha256` is of model.pt (verified on every load); `weights_sha256` is of the
+    weights themselves (name, dtype, shape, bytes of each state_dict tensor, in order), which is what
+    a seed determines: model.pt also holds a random serialization id and TorchScript class names."""
+
+    name: str
+    version: str
+    config: EncoderConfig
+    sha256: str
+    weights_sha256: str
+    dtype: str
+    validated_precisions: tuple[str, ...]
+    created_at: str
+    source: str
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["config"] = self.config.to_dict()
+        d["validated_precisions"] = list(self.validated_precisions)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        """Parse and check a manifest dict; problems raise ValueError naming the field."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"manifest must be a JSON object, got {type(data).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(fields - set(data))
+        unknown = sorted(set(data) - fields)
+        if missing or unknown:
+            raise ValueError(f"manifest has missing keys {missing} and unknown keys {unknown}")
+        if data["format_version"] != FORMAT_VERSION:
+            raise ValueError(
+                f"manifest format_version {data['format_version']!r} is not supported (expected {FORMAT_VERSION})"
+            )
+        for key in ("name", "version", "sha256", "weights_sha256", "dtype", "created_at", "source"):
+            if not isinstance(data[key], str) or not data[key]:
+                raise ValueError(f"manifest.{key} must be a non-empty string, got {data[key]!r}")
+        precisions = data["validated_precisions"]
+        if not isinstance(precisions, list) or not all(p in DTYPES for p in precisions):
+            raise ValueError(f"manifest.validated_precisions must list names from {list(DTYPES)}, got {precisions!r}")
+        return cls(**{**data, "config": EncoderConfig.from_dict(data["config"]),
+                      "validated_precisions": tuple(precisions)})
+
+
+@dataclass(frozen=True)
+class LoadedBundle:
+    """A loaded, verified, cast and frozen TorchScript module, and its manifest."""
+
+    module: torch.jit.ScriptModule
+    manifest: Manifest
+
+
+@contextlib.contextmanager
+def _quiet_jit() -> Iterator[None]:
+    # torch 2.13 warns on every torch.jit call; the service would repeat it on each load.
+    # (catch_warnings is process-wide state; loads are rare and happen before serving.)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=DeprecationWarning)
+        yield
+
+
+def script(module: nn.Module) -> torch.jit.ScriptModule:
+    """torch.jit.script (not trace: the graph must take any batch size and length)."""
+    with _quiet_jit():
+        return torch.jit.script(module)
+
+
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as f:  # streamed: bundles of real checkpoints run to hundreds of MB
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def weights_sha256(module: nn.Module) -> str:
+    """Digest of the state_dict (name, dtype, shape, bytes per tensor), independent of the file format."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _probe(config: EncoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    # A fixed padded batch. Ids from the lower half of the vocabulary: fault models keep their
+    # sentinel ids at the top, and a probe must not trip them.
+    g = torch.Generator().manual_seed(1234)
+    t = min(16, config.max_length)
+    ids = torch.randint(0, max(1, config.vocab_size // 2), (3, t), generator=g)
+    return ids, torch.tensor([t, max(1, t // 2), 1])
+
+
+def _forward(module: Any, ids: torch.Tensor, lengths: torch.Tensor, layers: list[int]) -> tuple[Any, Any]:
+    with torch.inference_mode():
+        return module(ids, None, lengths, False, layers)
+
+
+def _validated_precisions(eager: nn.Module, saved: Path, config: EncoderConfig) -> tuple[str, ...]:
+    """Reload the saved file and check it: fp32 must equal the eager module (else BundleError); each
+    reduced precision is listed if, on this CPU, it runs and stays within RELATIVE_ERROR_BOUND."""
+    ids, lengths = _probe(config)
+    all_layers = list(range(config.n_layers))
+    want, _ = _forward(eager, ids, lengths, [])
+    want_w, want_weights = _forward(eager, ids, lengths, all_layers)
+    ok = ["float32"]
+    for name, dtype in DTYPES.items():
+        try:
+            with _quiet_jit():
+                module = torch.jit.freeze(torch.jit.load(str(saved), map_location="cpu").to(dtype).eval())
+            got, _ = _forward(module, ids, lengths, [])
+            got_w, got_weights = _forward(module, ids, lengths, all_layers)
+        except RuntimeError as e:  # e.g. a CPU without the kernels for this dtype
+            if dtype == torch.float32:
+                raise BundleError(f"the exported model fails to run in float32: {e}") from e
+            continue
+        err = max(
+            float((got.float() - want).abs().max() / want.abs().max()),
+            float((got_w.float() - want_w).abs().max() / want_w.abs().max()),
+            float((got_weights - want_weights).abs().max()),
+        )
+        if dtype == torch.float32:
+            abs_err = max(float((got - want).abs().max()), float((got_w - want_w).abs().max()))
+            if abs_err > _FP32_ATOL:
+                raise BundleError(f"the scripted model differs from the eager one by {abs_err:.3g} (> {_FP32_ATOL})")
+        elif err <= RELATIVE_ERROR_BOUND[name] and all(bool(torch.isfinite(x).all()) for x in (got, got_w)):
+            ok.append(name)
+    return tuple(ok)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: str, version: str,
+                source: str) -> Manifest:
+    """Script `module` (an Encoder, or a module with its forward and a `config` attribute), save it
+    with its manifest into `directory` (created; must not already hold a bundle), and return the manifest.
+
+    The saved file is reloaded and checked against the eager module before the manifest is written,
+    so a directory with a manifest.json is a complete, checked bundle.
+    """
+    config = getattr(module, "config", None)
+    if not isinstance(config, EncoderConfig):
+        raise BundleError(f"{type(module).__name__} has no EncoderConfig `config` attribute to export")
+    dtypes = {p.dtype for p in module.parameters()}
+    if dtypes != {torch.float32}:
+        raise BundleError(f"bundles store float32 weights; the module has {sorted(map(str, dtypes))}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for existing in (MODEL_FILE, MANIFEST_FILE):
+        if (directory / existing).exists():
+            raise BundleError(f"{directory} already holds a bundle ({existing}); choose an empty directory")
+    module = module.eval()
+    scripted = script(module)
+    model_path = directory / MODEL_FILE
+    with _quiet_jit():
+        torch.jit.save(scripted, str(model_path))
+    try:
+        validated = _validated_precisions(module, model_path, config)
+    except BaseException:
+        model_path.unlink(missing_ok=True)  # no half bundle left to block a retry
+        raise
+    manifest = Manifest(
+        name=name,
+        version=version,
+        config=config,
+        sha256=file_sha256(model_path),
+        weights_sha256=weights_sha256(module),
+        dtype="float32",
+        validated_precisions=validated,
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        source=source,
+    )
+    _write_atomic(directory / MANIFEST_FILE, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
+    return manifest
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """Read and check DIR/manifest.json; any problem is a BundleError naming the file."""
+    path = Path(directory) / MANIFEST_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BundleError(f"{path} not found: not a model bundle directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BundleError(f"{path} is not readable JSON: {e}") from e
+    try:
+        return Manifest.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise BundleError(f"{path} is not a valid manifest: {e}") from e
+
+
+def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device = "cpu",
+                dtype: torch.dtype | str = torch.float32) -> LoadedBundle:
+    """Verify model.pt against the manifest's sha256, load it onto `device`, cast to `dtype`, eval, freeze.
+
+    Freezing (torch.jit.freeze) inlines the weights as constants of the graph, so it happens here,
+    after the cast: a frozen module cannot be cast again. For fp32 and bf16 copies of one bundle
+    (fp32 retry of non-finite rows), call load_bundle twice. Frozen outputs equal unfrozen ones
+    bit for bit (tests/test_model_bundle.py). `dtype` may not be among validated_precisions; the
+    caller decides whether that matters.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    dtype = DTYPES[dtype] if isinstance(dtype, str) and dtype in DTYPES else dtype
+    if dtype not in DTYPES.values():
+        raise BundleError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    model_path = directory / MODEL_FILE
+    if not model_path.is_file():
+        raise BundleError(f"{model_path} not found (the manifest is there, the model is not)")
+    actual = file_sha256(model_path)
+    if actual != manifest.sha256:
+        raise BundleError(
+            f"{model_path} failed its checksum: manifest sha256 {manifest.sha256}, file sha256 {actual}; "
+            "the file is corrupt or was replaced"
+        )
+    if manifest.name == FAULT_MODEL_NAME:
+        import model.faults  # noqa: F401  (registers the attention_faults ops its TorchScript calls)
+    try:
+        with _quiet_jit():
+            module = torch.jit.load(str(model_path), map_location=device)
+            module = torch.jit.freeze(module.to(dtype).eval())
+    except RuntimeError as e:
+        raise BundleError(f"{model_path} could not be loaded as TorchScript: {e}") from e
+    return LoadedBundle(module=module, manifest=manifest)

@@ -1,0 +1,98 @@
+"""EncoderConfig: the frozen, JSON-round-trippable description of an encoder's shape and flavour.
+
+Checked on construction, so a bad value fails where it is written, with the value in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+POSITIONALS = ("sinusoidal", "learned", "none")
+ACTIVATIONS = ("relu", "gelu")
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A transformer encoder, inference only (dropout is always 0, so it has no field).
+
+    Defaults are those of REFERENCE, the service's default model. `final_norm` (a LayerNorm after the
+    last block, as pre-LN models such as GPT-2 and `nn.TransformerEncoder(norm=...)` use) is our
+    addition to the issue's field list; it defaults to False so configs without it keep their meaning.
+    """
+
+    d_model: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    d_ff: int = 1024
+    vocab_size: int = 8192
+    max_length: int = 512
+    positional: str = "sinusoidal"  # sinusoidal | learned | none
+    norm_first: bool = False  # True: pre-LN (x + f(LN(x))); False: post-LN (LN(x + f(x)))
+    activation: str = "relu"  # relu | gelu (exact, erf-based, as nn.TransformerEncoderLayer)
+    layer_norm_eps: float = 1e-5
+    final_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "max_length"):
+            value = getattr(self, name)
+            # bool is an int subclass; True as a layer count is a typo, not a size.
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EncoderConfig.{name} must be a positive int, got {value!r}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"EncoderConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
+            )
+        if self.positional not in POSITIONALS:
+            raise ValueError(f"EncoderConfig.positional must be one of {POSITIONALS}, got {self.positional!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"EncoderConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        for name in ("norm_first", "final_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EncoderConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"EncoderConfig.layer_norm_eps must be a finite float > 0, got {eps!r}")
+        # JSON turns 1e-5 into a float either way; normalise ints (eps=1) so round trips compare equal.
+        object.__setattr__(self, "layer_norm_eps", float(eps))
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EncoderConfig:
+        """Build from a dict; unknown keys are an error (a typo must not silently become a default)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"EncoderConfig must be a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown EncoderConfig keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EncoderConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"EncoderConfig JSON is malformed: {e}") from e
+        return cls.from_dict(data)
+
+
+# The service's default model (the seeded bundle a fresh machine serves).
+REFERENCE = EncoderConfig(
+    d_model=256, n_heads=4, n_layers=4, d_ff=1024, vocab_size=8192, max_length=512,
+    positional="sinusoidal", norm_first=False, activation="relu",
+)
+# Small enough for unit tests on two CPU cores.
+TINY = EncoderConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, vocab_size=100, max_length=64)

@@ -1,0 +1,46 @@
+"""The default model: the REFERENCE encoder with weights from a seed, so a fresh machine can serve at once."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from model.bundle import MANIFEST_FILE, BundleError, Manifest, save_bundle
+from model.config import REFERENCE
+from model.encoder import Encoder
+
+DEFAULT_NAME = "attention-reference"
+DEFAULT_VERSION = "1"
+
+
+def build_default_bundle(directory: str | os.PathLike[str], seed: int = 0) -> Manifest:
+    """Build the REFERENCE bundle into `directory`. Same seed -> bit-identical weights, same weights_sha256."""
+    module = Encoder(REFERENCE).init_weights(seed)
+    return save_bundle(module, directory, name=DEFAULT_NAME, version=DEFAULT_VERSION, source=f"seed:{seed}")
+
+
+def ensure_default_bundle(cache_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Return cache_dir/attention-reference-v1-seed{seed}, building it first if it is not there.
+
+    Built in a temporary sibling and renamed into place, so a reader never sees half a bundle and two
+    processes racing both end up with one complete bundle.
+    """
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"{DEFAULT_NAME}-v{DEFAULT_VERSION}-seed{seed}"
+    if (final / MANIFEST_FILE).is_file():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        build_default_bundle(tmp, seed)
+        try:
+            os.rename(tmp, final)  # atomic; replaces an empty directory, fails on a non-empty one
+        except OSError:
+            if not (final / MANIFEST_FILE).is_file():
+                raise BundleError(f"{final} exists but holds no bundle; remove it and retry") from None
+            # Another process finished first; its bundle is as good as ours.
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

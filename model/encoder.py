@@ -1,0 +1,253 @@
+"""The transformer encoder in one file, nanoGPT style: attention, feed-forward, block, encoder.
+
+`Encoder.forward` is the scripted interface the service calls (see its docstring). Everything here
+is pure PyTorch and `torch.jit.script`-able; export and loading live in model/bundle.py.
+
+Reduced precision (module cast with `.to(torch.bfloat16 | torch.float16)`): LayerNorm, the explicit
+attention scores and their softmax run in fp32; SDPA's fused kernels (CPU flash, CUDA flash and
+memory-efficient) accumulate in fp32.
+Masks are boolean, so no -1e9 literal can overflow fp16 and no two finfo.min terms are ever added.
+Error against the fp32 module, measured on CPU (AVX2) for TINY and REFERENCE, post-/pre-LN, relu/gelu,
+seeds 0-2, padded batches, both paths (tests/test_model_numerics.py holds the bounds, which
+model.bundle.RELATIVE_ERROR_BOUND also applies at export):
+  hidden states, max|x - x32| / max|x32|:  bf16 measured <= 0.0125, bound 0.03; fp16 <= 0.0014, bound 0.005
+  attention weights, max|w - w32|:         bf16 measured <= 0.0097, bound 0.03; fp16 <= 0.0012, bound 0.005
+Rows of length 0, embeddings of magnitude 1e4 and max_length inputs stay finite in every dtype.
+"""
+
+import math
+from typing import Final, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import EncoderConfig
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm that normalises in fp32 whatever the module dtype, then casts back.
+
+    Explicit rather than left to each backend kernel's accumulation type: a bf16 mean and variance
+    keep ~3 significant digits, and fp16 x*x overflows above 256. State-dict keys are nn.LayerNorm's.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight.float() if self.weight is not None else None
+        b = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """Self-attention with a fused QKV projection; rows of `qkv.weight` are q|k|v like nn.MultiheadAttention."""
+
+    n_heads: Final[int]
+    d_head: Final[int]
+    scale: Final[float]
+    score_min: Final[float]
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.d_head = config.d_head
+        # 1/sqrt(d_head), per head: the logits of each head are a d_head-long dot product.
+        # (A seed snippet used 1/sqrt(d_model); that flattens attention by sqrt(n_heads).)
+        self.scale = 1.0 / math.sqrt(config.d_head)
+        self.score_min = torch.finfo(torch.float32).min  # the explicit path's scores are fp32
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: Tensor, mask: Tensor, need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """x (B, T, C); mask bool (B, 1, 1|T, T), True where a query may attend to a key.
+
+        Returns (y (B, T, C), weights (B, nh, T, T) fp32 or None). A query row with no allowed key
+        gives y = 0 and all-zero weights on both paths (SDPA's own rule for fully masked rows).
+        """
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
+        weights: Optional[Tensor] = None
+        if not need_weights:
+            # Fused kernels (flash / memory-efficient on CUDA, flash on CPU), fp32 accumulation inside.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, nh, T, hs)
+            # A query with no key at all (a length-0 row): SDPA's CPU kernels give 0, but CUDA's
+            # memory-efficient kernel has given NaN (pytorch#110213). Make it 0 on every backend.
+            y = y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # mask.any: (B, 1, 1|T, 1)
+        else:
+            # Explicit path, all in fp32: fp16 logits overflow past 65504 and a bf16 softmax keeps
+            # ~3 digits. finfo(float32).min (not -inf) keeps fully masked rows out of exp(-inf - -inf).
+            att = (q.float() @ k.float().transpose(-2, -1)) * self.scale  # (B, nh, T, T)
+            att = att.masked_fill(~mask, self.score_min)
+            # Zero masked keys after the softmax too: exact zeros, and a fully masked row gives 0 not 1/T.
+            att = F.softmax(att, dim=-1).masked_fill(~mask, 0.0)
+            y = (att @ v.float()).to(x.dtype)  # (B, nh, T, hs)
+            weights = att
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads side by side again
+        return self.proj(y), weights
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: fc2(act(fc1(x))), the linear1/linear2 of nn.TransformerEncoderLayer."""
+
+    use_gelu: Final[bool]
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.use_gelu = config.activation == "gelu"
+        self.fc1 = nn.Linear(config.d_model, config.d_ff)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        # Exact (erf) GELU, as nn.TransformerEncoderLayer(activation="gelu"); not the tanh approximation.
+        h = F.gelu(h) if self.use_gelu else F.relu(h)
+        return self.fc2(h)
+
+
+class EncoderBlock(nn.Module):
+    """Attention then feed-forward, each in a residual; LayerNorm before (pre-LN) or after (post-LN)."""
+
+    norm_first: Final[bool]
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.norm_first = config.norm_first
+        self.ln1 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.attn = MultiHeadAttention(config)
+        self.ln2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ff = FeedForward(config)
+
+    def forward(self, x: Tensor, mask: Tensor, need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.norm_first:
+            a, w = self.attn(self.ln1(x), mask, need_weights)
+            x = x + a
+            x = x + self.ff(self.ln2(x))
+        else:
+            a, w = self.attn(x, mask, need_weights)
+            x = self.ln1(x + a)
+            x = self.ln2(x + self.ff(x))
+        return x, w
+
+
+def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
+    """(n_positions, d_model) fp32: sin on even, cos on odd columns ("Attention Is All You Need").
+
+    Computed in fp64 and rounded once, so the table is the same bits on every CPU.
+    """
+    pos = torch.arange(n_positions, dtype=torch.float64)[:, None]  # (n, 1)
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * inv_freq)
+    table[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])  # odd d_model: one cos column fewer
+    return table.float()
+
+
+def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
+    # Uniform with the given std, drawn as integers and scaled in fp64: torch's float samplers have
+    # vectorised kernels whose last bit may differ between CPUs; integer draws and exact scaling do not.
+    ints = torch.randint(0, 2**24, t.shape, generator=generator, dtype=torch.int64)
+    with torch.no_grad():
+        t.copy_((ints.double() * 2.0**-23 - 1.0) * (std * math.sqrt(3.0)))
+
+
+class Encoder(nn.Module):
+    """Token embedding (or precomputed embeddings), positions, n_layers blocks, optional final LayerNorm."""
+
+    # The Python config is for Python callers (bundle export); TorchScript sees the Final ints below.
+    __jit_ignored_attributes__ = ["config"]
+    d_model: Final[int]
+    n_layers: Final[int]
+    max_length: Final[int]
+    has_positions: Final[bool]
+
+    def __init__(self, config: EncoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.d_model = config.d_model
+        self.n_layers = config.n_layers
+        self.max_length = config.max_length
+        self.has_positions = config.positional != "none"
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        if config.positional == "learned":
+            self.pos_emb = nn.Parameter(torch.zeros(config.max_length, config.d_model))
+        else:
+            # Derived from the config, so not in the state_dict (nor in the weights checksum);
+            # TorchScript still saves it with the module. "none" keeps an empty table for the type.
+            table = sinusoidal_table(config.max_length, config.d_model)
+            self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
+        self.blocks = nn.ModuleList([EncoderBlock(config) for _ in range(config.n_layers)])
+        self.ln_f = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
+
+    def init_weights(self, seed: int) -> "Encoder":
+        """Re-initialise deterministically: same seed -> same bits on any machine and torch version.
+
+        Linear weights uniform with std 1/sqrt(fan_in), embeddings std 1, biases 0, LayerNorms (1, 0).
+        """
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():  # fixed registration order
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")):
+                nn.init.ones_(p)
+            elif name in ("tok_emb.weight", "pos_emb"):
+                _uniform_(p, 1.0, g)
+            else:
+                _uniform_(p, 1.0 / math.sqrt(p.shape[1]), g)
+        return self
+
+    def forward(
+        self,
+        token_ids: Optional[Tensor],
+        embeddings: Optional[Tensor],
+        lengths: Tensor,
+        causal: bool,
+        attn_layers: List[int],
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """Encode a padded batch. The service depends on exactly this signature.
+
+        token_ids (B, T) int64, or embeddings (B, T, d_model) replacing the token lookup (positions
+        are still added); exactly one. lengths (B,) int64: keys at positions >= length are padding;
+        padded query rows are computed (finite) and meant to be ignored. causal: lookahead mask.
+        attn_layers: sorted, distinct layer indices in [0, n_layers) whose weights are wanted; those
+        layers take the explicit path. Returns hidden (B, T, d_model) in the module's dtype and, if
+        attn_layers is not empty, weights (B, len(attn_layers), nh, T, T) fp32, padded keys exactly 0.
+        """
+        if token_ids is not None and embeddings is None:
+            x = self.tok_emb(token_ids)  # (B, T, C)
+        elif embeddings is not None and token_ids is None:
+            if embeddings.dim() != 3 or embeddings.size(2) != self.d_model:
+                raise ValueError(
+                    "embeddings must be (B, T, {}), got {}".format(self.d_model, list(embeddings.shape))
+                )
+            x = embeddings.to(self.tok_emb.weight.dtype)
+        else:
+            raise ValueError("exactly one of token_ids and embeddings must be given")
+        B, T = x.size(0), x.size(1)
+        if T > self.max_length:
+            raise ValueError("sequence length {} exceeds max_length {}".format(T, self.max_length))
+        if lengths.dim() != 1 or lengths.size(0) != B:
+            raise ValueError("lengths must be ({},), got {}".format(B, list(lengths.shape)))
+        previous = -1
+        for layer in attn_layers:
+            if layer <= previous or layer >= self.n_layers:
+                raise ValueError(
+                    "attn_layers must be sorted, distinct, in [0, {}); got {}".format(self.n_layers, attn_layers)
+                )
+            previous = layer
+        if self.has_positions:
+            x = x + self.pos_emb[:T]  # (B, T, C) + (T, C)
+        positions = torch.arange(T, device=x.device)
+        mask = (positions[None, :] < lengths[:, None].to(x.device))[:, None, None, :]  # (B, 1, 1, T)
+        if causal:
+            mask = mask & (positions[None, :] <= positions[:, None])  # (B, 1, T, T): key j <= query i
+        weights: List[Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x, w = block(x, mask, i in attn_layers)
+            if w is not None:
+                weights.append(w)
+        x = self.ln_f(x)
+        if len(weights) == 0:
+            return x, None
+        return x, torch.stack(weights, dim=1)  # (B, len(attn_layers), nh, T, T)

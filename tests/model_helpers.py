@@ -1,0 +1,71 @@
+"""Shared helpers for the model tests: stock PyTorch references, batches, error measures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from model.config import TINY, EncoderConfig
+from model.encoder import MultiHeadAttention
+
+
+def tiny(**changes: object) -> EncoderConfig:
+    return dataclasses.replace(TINY, **changes)
+
+
+class StockEncoder(nn.Module):
+    """nn.Embedding + nn.TransformerEncoder, the model convert.py reads (keys embedding.*, encoder.*)."""
+
+    def __init__(self, config: EncoderConfig, final_norm: bool = False) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        layer = nn.TransformerEncoderLayer(
+            config.d_model, config.n_heads, config.d_ff, dropout=0.0, activation=config.activation,
+            layer_norm_eps=config.layer_norm_eps, batch_first=True, norm_first=config.norm_first,
+        )
+        norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if final_norm else None
+        # enable_nested_tensor=False: the nested fast path zeroes padded rows; we compare real rows anyway.
+        self.encoder = nn.TransformerEncoder(layer, config.n_layers, norm=norm, enable_nested_tensor=False)
+
+    def forward(self, ids: Tensor, lengths: Tensor, causal: bool = False) -> Tensor:
+        T = ids.shape[1]
+        pad = torch.arange(T)[None, :] >= lengths[:, None]  # True = padding, as PyTorch wants
+        mask = torch.ones(T, T, dtype=torch.bool).triu(1) if causal else None  # True = may not attend
+        return self.encoder(self.embedding(ids), mask=mask, src_key_padding_mask=pad, is_causal=causal)
+
+
+def stock_mha(ours: MultiHeadAttention, d_model: int, n_heads: int) -> nn.MultiheadAttention:
+    """nn.MultiheadAttention holding the same weights as our attention."""
+    mha = nn.MultiheadAttention(d_model, n_heads, batch_first=True, dropout=0.0)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(ours.qkv.weight)
+        mha.in_proj_bias.copy_(ours.qkv.bias)
+        mha.out_proj.weight.copy_(ours.proj.weight)
+        mha.out_proj.bias.copy_(ours.proj.bias)
+    return mha.eval()
+
+
+def key_mask(lengths: Tensor, T: int, causal: bool) -> Tensor:
+    """Our mask convention: bool (B, 1, 1|T, T), True where a query may attend to a key."""
+    positions = torch.arange(T)
+    mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+    if causal:
+        mask = mask & (positions[None, :] <= positions[:, None])
+    return mask
+
+
+def batch(config: EncoderConfig, lengths: list[int], seed: int = 0, T: int | None = None) -> tuple[Tensor, Tensor]:
+    """Random ids (B, T) padded with 0 beyond each length, and the lengths tensor."""
+    g = torch.Generator().manual_seed(seed)
+    T = T if T is not None else max(lengths)
+    ids = torch.randint(1, config.vocab_size // 2, (len(lengths), T), generator=g)
+    lengths_t = torch.tensor(lengths)
+    ids = ids.masked_fill(torch.arange(T)[None, :] >= lengths_t[:, None], 0)
+    return ids, lengths_t
+
+
+def rel_err(got: Tensor, want: Tensor) -> float:
+    """max |got - want| / max |want|: the reduced-precision measure in encoder.py's docstring."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
