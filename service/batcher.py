@@ -18,7 +18,11 @@ The contract (held by tests/test_batcher.py):
   tokens plus `batch_overhead_tokens` (the fixed cost of one forward, in tokens). Age bound: the
   key with the oldest item goes first, and once that item has waited `max_age_ms` the window must
   contain it, so no item starves behind newcomers.
-- Items whose deadline has passed or whose caller cancelled are dropped before they are computed.
+- Items whose deadline has passed or whose caller cancelled are dropped before they are computed
+  (counted by reason: `deadline`, `cancelled`, `shutting_down`).
+- `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch finish; with
+  `join_timeout`, a batch still running after that long is failed with `ShuttingDown` too, so a
+  caller waiting on a stuck model still gets an answer.
 - `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError` per item, and
   the forward's wall time. An exception from it fails only that batch's items (as `ModelFailure`),
   and the loop lives on.
@@ -142,6 +146,7 @@ class Batcher(Generic[P]):
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         thread_name: str = "model-runner",
+        admit_delay_s: float = 0.0,
     ) -> None:
         self._execute = execute
         self._limits = limits
@@ -154,6 +159,8 @@ class Batcher(Generic[P]):
         self._accepting = True
         self._stopping = False
         self._busy = False
+        self._running: list[Item[P]] = []
+        self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -190,24 +197,31 @@ class Batcher(Generic[P]):
 
     def cancel(self, items: Sequence[Item[P]]) -> None:
         """The caller is gone: drop its items that are still queued and cancel their futures."""
-        dropped = 0
+        dropped = {"cancelled": 0, "deadline": 0}
+        now = self._clock()
         with self._cond:
             for item in items:
                 if item.state == "queued":
                     self._remove(item)
                     item.state = "cancelled"
-                    dropped += 1
-            if dropped:
+                    # A caller whose deadline passed while queued leaves for that reason, not by choice.
+                    dropped["deadline" if item.deadline <= now else "cancelled"] += 1
+            if any(dropped.values()):
                 self._observer.on_queue(self._queued_items, self._queued_tokens)
         for item in items:
             item.future.cancel()
-        if dropped:
-            self._observer.on_dropped("cancelled", dropped)
+        for reason, count in dropped.items():
+            if count:
+                self._observer.on_dropped(reason, count)
 
     def close(self) -> None:
         """Stop admitting; queued items are still computed (drain)."""
         with self._cond:
             self._accepting = False
+
+    @property
+    def model_thread_alive(self) -> bool:
+        return self._thread.is_alive()
 
     @property
     def idle(self) -> bool:
@@ -223,8 +237,13 @@ class Batcher(Generic[P]):
             await asyncio.sleep(0.01)
         return True
 
-    async def aclose(self) -> None:
-        """Stop admitting, fail what is still queued with `ShuttingDown`, stop the model thread."""
+    async def aclose(self, join_timeout: float | None = None) -> None:
+        """Stop admitting, fail what is still queued with `ShuttingDown`, stop the model thread.
+
+        Waits for the model thread's current batch at most `join_timeout` seconds (None: as long as it
+        takes); a batch still running then is failed with `ShuttingDown` and its thread abandoned (a
+        daemon; its late results are ignored).
+        """
         with self._cond:
             self._accepting = False
             self._stopping = True
@@ -233,13 +252,19 @@ class Batcher(Generic[P]):
                 item.state = "dropped"
             self._queues.clear()
             self._queued_items = self._queued_tokens = 0
+            self._observer.on_queue(0, 0)
             self._cond.notify_all()
         for item in leftover:
             _settle(item.future, ShuttingDown("server shutting down; retry on another replica"))
         if leftover:
             self._observer.on_dropped("shutting_down", len(leftover))
-        if self._thread.is_alive():
-            await asyncio.to_thread(self._thread.join)
+        end = None if join_timeout is None else self._clock() + join_timeout
+        while self._thread.is_alive() and (end is None or self._clock() < end):
+            await asyncio.sleep(0.005)
+        with self._cond:
+            running = list(self._running) if self._thread.is_alive() else []
+        for item in running:  # counted in its batch already
+            _settle(item.future, ShuttingDown("request aborted: server shutting down; retry on another replica"))
 
     # -- model-thread side -----------------------------------------------------------------------
 
@@ -260,7 +285,14 @@ class Batcher(Generic[P]):
 
     def _choose(self, now: float) -> tuple[list[Item[P]], float]:
         """The next batch, and how long to hold it open for `max_wait_ms` (0 = run it now)."""
-        queue = min(self._queues.values(), key=lambda q: q[0].enqueued_at)
+        queues: Sequence[list[Item[P]]] = list(self._queues.values())
+        if self._admit_delay > 0:
+            ripe = now - self._admit_delay
+            first = min(q[0].enqueued_at for q in queues)  # each queue is in admission order
+            if first > ripe:
+                return [], first - ripe
+            queues = [ready for q in queues if (ready := [i for i in q if i.enqueued_at <= ripe])]
+        queue = min(queues, key=lambda q: q[0].enqueued_at)
         oldest = queue[0]
         # Choose among the oldest few only: bounded work per batch, and a bounded wait for everyone.
         pool = queue[: max(4 * self._limits.max_batch_size, 256)]
@@ -303,6 +335,7 @@ class Batcher(Generic[P]):
                 for item in batch:
                     self._remove(item)
                     item.state = "running"
+                self._running = batch
                 self._busy = True
                 self._observer.on_queue(self._queued_items, self._queued_tokens)
                 return batch
@@ -314,6 +347,7 @@ class Batcher(Generic[P]):
             finally:
                 with self._cond:
                     self._busy = False
+                    self._running = []
 
     def _run_batch(self, batch: list[Item[P]]) -> None:
         started = self._clock()

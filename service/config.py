@@ -38,7 +38,8 @@ class ServiceConfig:
     port: int = _opt(50051, "gRPC port (0 picks a free one; see --ready-file)")
     metrics_host: str = _opt("", "address of the Prometheus /metrics HTTP port (empty = same as host)")
     metrics_port: int = _opt(9464, "Prometheus /metrics HTTP port (0 picks a free one, -1 disables it)")
-    health_port: int = _opt(0, "extra plaintext port serving only grpc.health.v1 (0 = off); for TLS setups")
+    health_port: int = _opt(
+        -1, "extra plaintext port serving only grpc.health.v1, for probes when TLS is on (-1 = off, 0 = a free one)")
     ready_file: str = _opt("", "write {port, metrics_port, health_port, pid} as JSON here once SERVING")
     # Model
     model: str = _opt("", "model bundle directory; empty = the built-in default model, built on first use")
@@ -68,15 +69,31 @@ class ServiceConfig:
     drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")
     reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
     log_level: str = _opt("info", "debug | info | warning | error")
+    min_deadline_ms: float = _opt(1.0, "calls arriving with less time than this left get DEADLINE_EXCEEDED at once")
+    # Security (see service/security.py)
+    tls_cert: str = _opt("", "PEM server certificate (chain); with --tls-key, the gRPC port speaks TLS only")
+    tls_key: str = _opt("", "PEM private key of --tls-cert")
+    tls_client_ca: str = _opt("", "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)")
+    auth_tokens_file: str = _opt("", "file of bearer tokens, one per line (# comments); when set, calls need one")
+    # Secret: environment only (never a flag, so never in `ps` or --help), never in repr or logs.
+    auth_tokens: str = field(default="", repr=False, metadata={
+        "help": "comma-separated bearer tokens, environment only", "env": True, "flag": False})
+    # Fault hooks: delays at named points of the request path, to widen race windows in tests.
+    allow_fault_hooks: bool = _opt(False, "allow the fault_delay_* test hooks (never in production)")
+    fault_delay_after_admit_ms: float = _opt(0.0, "test hook: a queued sequence becomes batchable only this late")
+    fault_delay_after_dequeue_ms: float = _opt(0.0, "test hook: the model thread waits this long before a forward")
+    fault_delay_before_scatter_ms: float = _opt(0.0, "test hook: ... and this long before resolving the results")
+    fault_delay_in_shutdown_ms: float = _opt(0.0, "test hook: shutdown waits this long after refusing new calls")
+    fault_delay_before_ready_ms: float = _opt(0.0, "test hook: start-up waits this long before loading the model")
 
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
                 raise ValueError(f"{name} must be one of {'|'.join(choices)}; got {value!r}")
-        for name in ("port", "health_port"):
-            _check(name, getattr(self, name), 0, 65535)
-        _check("metrics_port", self.metrics_port, -1, 65535)
+        _check("port", self.port, 0, 65535)
+        for name in ("metrics_port", "health_port"):
+            _check(name, getattr(self, name), -1, 65535)
         for name in (
             "max_batch_tokens", "max_batch_size", "max_queue_tokens", "max_queue_requests",
             "max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes",
@@ -87,10 +104,42 @@ class ServiceConfig:
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)
         _check("default_timeout_s", self.default_timeout_s, 1e-3, None)
+        _check("min_deadline_ms", self.min_deadline_ms, 0, None)
+        hooks = [f.name for f in dataclasses.fields(self) if f.name.startswith("fault_delay_")]
+        for name in hooks:
+            _check(name, getattr(self, name), 0, 60_000)
+        armed = [name for name in hooks if getattr(self, name) > 0]
+        if armed and not self.allow_fault_hooks:
+            raise ValueError(f"{', '.join(armed)} set, but fault hooks are refused unless allow_fault_hooks is on")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name} must name a readable file; got {path!r}")
+        for i, token in enumerate(self.auth_token_list, 1):
+            # Never echo a token: it is a secret, and this message goes to the log.
+            if not token.isascii() or not token.isprintable() or " " in token:
+                raise ValueError(f"auth_tokens: token {i} must be printable ASCII without spaces")
         if self.max_batch_size > self.max_batch_tokens:
             raise ValueError(
                 f"max_batch_size ({self.max_batch_size}) cannot exceed max_batch_tokens ({self.max_batch_tokens})"
             )
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
+
+    @property
+    def auth_token_list(self) -> list[str]:
+        """The tokens given in the environment (the file's are read by service/security.py)."""
+        return [t.strip() for t in self.auth_tokens.split(",") if t.strip()]
+
+    @property
+    def hooks_armed(self) -> bool:
+        return any(getattr(self, f.name) > 0 for f in dataclasses.fields(self) if f.name.startswith("fault_delay_"))
 
     @property
     def bundle_cache_dir(self) -> Path:
@@ -103,7 +152,7 @@ class ServiceConfig:
         args = build_parser().parse_args(argv)
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            flag_value = getattr(args, f.name)
+            flag_value = getattr(args, f.name, None)
             env_value = env.get(f"ATTN_{f.name.upper()}")
             if flag_value is not None:
                 values[f.name] = flag_value
@@ -140,8 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m service",
         description="gRPC inference service for multi-head-attention encoders. "
         "Every flag falls back to the environment variable shown, then to the default.",
+        epilog="Bearer tokens may also be given as ATTN_AUTH_TOKENS (comma-separated; environment only).",
+        # No prefixes: `--auth-tokens SECRET` must not pass for --auth-tokens-file and land in an error message.
+        allow_abbrev=False,
     )
     for f in dataclasses.fields(ServiceConfig):
+        if not f.metadata.get("flag", True):
+            continue
         kind = _kind(f)
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata['help']} [env ATTN_{f.name.upper()}; default {f.default!r}]"

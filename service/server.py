@@ -3,12 +3,19 @@
 Start-up: listen at once (liveness `""` SERVING), load and warm the model in a thread, then report
 the AttentionService SERVING (readiness). Shutdown (SIGTERM): readiness NOT_SERVING, keep serving
 for `drain_delay_s`, refuse new calls with UNAVAILABLE, give accepted calls `drain_grace_s` to
-finish, then stop the model thread and exit 0. A second signal stops at once.
+finish (what cannot finish is answered UNAVAILABLE "shutting down" just before the grace ends),
+then stop the model thread and exit 0. A second signal stops at once. The last log line is the
+call ledger (started = handled by code; queue empty).
+
+Security (service/security.py): with `tls_cert`/`tls_key` the gRPC port speaks TLS only (mutual
+TLS with `tls_client_ca`); `health_port` then serves plaintext health checks for probes. With
+tokens configured, the auth interceptor is outermost, so an unauthenticated call runs nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -25,9 +32,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 from model.default import ensure_default_bundle
 from service.batcher import Batcher, BatchLimits
 from service.config import ServiceConfig
+from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
 from service.metrics import Metrics
 from service.runner import Job, Runner
+from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
 
 log = logging.getLogger(__name__)
@@ -53,36 +62,61 @@ class Server:
         self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.state = ServingState()
         self.health = health.aio.HealthServicer()
+        self.hooks = Hooks.from_config(config)
         self.runner: Runner | None = None
         limits = BatchLimits(
             max_batch_tokens=config.max_batch_tokens, max_batch_size=config.max_batch_size,
             max_wait_ms=config.max_wait_ms, max_age_ms=config.max_age_ms,
             max_queue_tokens=config.max_queue_tokens, max_queue_requests=config.max_queue_requests,
         )
-        self.batcher: Batcher[Job] = Batcher(self._execute, limits, observer=self.metrics)
+        self.batcher: Batcher[Job] = Batcher(self._execute, limits, observer=self.metrics,
+                                             admit_delay_s=self.hooks.after_admit)
         self.servicer = AttentionServicer(config, self.batcher, self.state, self.metrics)
-        self.grpc = grpc.aio.server(
-            interceptors=[MetricsInterceptor(self.metrics)], options=grpc_options(config)
-        )
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
+        tokens = load_tokens(config)
+        self.auth: AuthInterceptor | None = None
+        if tokens:
+            self.auth = AuthInterceptor(TokenChecker(tokens), registry)
+            interceptors.insert(0, self.auth)  # outermost: nothing else runs for an unauthenticated call
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
         self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if config.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                                 self.grpc)
         self.health_grpc: grpc.aio.Server | None = None
-        self.port = self.grpc.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        credentials = server_credentials(config)
+        # Both raise RuntimeError "Failed to bind" when the port is taken (so_reuseport=0: no silent sharing).
+        if credentials is None:
+            self.port = self.grpc.add_insecure_port(address)
+        else:
+            self.port = self.grpc.add_secure_port(address, credentials)
         self.health_port = 0
-        if config.health_port:
+        if config.health_port >= 0:
             self.health_grpc = grpc.aio.server(options=grpc_options(config))
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
             self.health_port = self.health_grpc.add_insecure_port(f"{config.host}:{config.health_port}")
+        if self.hooks.armed:
+            log.warning("fault hooks armed (test builds only): %s", self.hooks.armed)
+        if tokens and credentials is None:
+            log.warning("bearer tokens over plaintext: anyone on the path can read them; configure TLS")
+        if credentials is not None and self.health_grpc is None:
+            log.warning("TLS on and no plaintext health port: probes that cannot speak TLS will fail")
+        log.info("gRPC port %d: %s; %s; reflection %s; health port %s", self.port,
+                 ("mutual TLS" if config.tls_client_ca else "TLS") if credentials else "plaintext",
+                 f"bearer tokens required ({len(tokens)} configured)" if tokens else "no token auth",
+                 "on" if config.reflection else "off", self.health_port or "off")
         self.metrics_port = 0
         self._httpd: Any = None
         self._startup: asyncio.Task[None] | None = None
 
     def _execute(self, jobs: list[Job]) -> Any:
         assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
-        return self.runner.execute(jobs)
+        self.hooks.pause("after_dequeue")
+        result = self.runner.execute(jobs)
+        self.hooks.pause("before_scatter")
+        return result
 
     async def start(self) -> None:
         """Listen, then load and warm the model in the background (see `ready()`)."""
@@ -105,6 +139,7 @@ class Server:
 
     async def _load_and_warm(self) -> None:
         config = self.config
+        await self.hooks.apause("before_ready")
         bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
         runner = Runner(config, bundle_dir, self.metrics)
         spec = await asyncio.to_thread(runner.load)
@@ -126,24 +161,34 @@ class Server:
                                             "health_port": self.health_port, "pid": os.getpid()})
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain and stop. `grace` defaults to `drain_grace_s`; 0 stops at once."""
+        """Drain and stop. `grace` defaults to `drain_grace_s`; 0 stops at once.
+
+        Returns within about `drain_delay_s + grace + 0.5 s`, whatever the model is doing.
+        """
         grace = self.config.drain_grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()  # readiness NOT_SERVING, liveness too
         self.metrics.ready.set(0)
         if grace > 0 and self.config.drain_delay_s > 0:
             await asyncio.sleep(self.config.drain_delay_s)
-        self.state.draining = True
+        self.state.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
         self.batcher.close()
         if self._startup is not None and not self._startup.done():
             self._startup.cancel()
+        await self.hooks.apause("in_shutdown")
         # The listener closes at once; accepted calls have `grace` to finish (the batcher keeps
-        # running them); what is still running then is cancelled by grpcio with UNAVAILABLE.
-        await asyncio.gather(self.grpc.stop(grace), self.batcher.drain(grace))
-        await self.batcher.aclose()
+        # running them). Just before grace ends we answer what is left ourselves, UNAVAILABLE
+        # "shutting down", rather than let grpcio cancel the calls.
+        stopping = asyncio.create_task(self.grpc.stop(grace))
+        margin = min(0.25, grace / 5)
+        await self.batcher.drain(grace - margin)
+        # Stopping "at once" still lets a forward of a normal length end, rather than abandon it.
+        await self.batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
+        # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap grpcio's stop.
+        metrics_down = asyncio.to_thread(self._httpd.shutdown) if self._httpd is not None else asyncio.sleep(0)
+        await asyncio.gather(stopping, metrics_down)
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
         if self._httpd is not None:
-            self._httpd.shutdown()
             self._httpd.server_close()
 
 
@@ -155,7 +200,11 @@ def build_server(config: ServiceConfig, registry: CollectorRegistry) -> tuple[Se
 
 async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
-    server, port = build_server(config, registry)
+    try:
+        server, port = build_server(config, registry)
+    except (RuntimeError, ValueError, OSError) as exc:  # port taken, unreadable certificate or token file
+        log.error("cannot start: %s", exc)
+        return 1
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[int] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -170,18 +219,53 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
         waiter.cancel()
         await server.stop(0)
         return 1
-    sig = await waiter
-    log.info("signal %d: draining for up to %.1f s", sig, config.drain_grace_s)
+    signum = await waiter
+    log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
     stopping = asyncio.create_task(server.stop())
     second = asyncio.create_task(signals.get())
     await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
     if not stopping.done():
         log.info("second signal: stopping now")
-        await server.grpc.stop(0)
-        await stopping
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopping
+        await server.stop(0)
     second.cancel()
-    log.info("stopped")
-    return 0
+    log.info("stopped; ledger %s", json.dumps(ledger(registry), sort_keys=True))
+    for _ in range(20):  # a forward that outlived the grace gets 0.2 s more to end
+        if not server.batcher.model_thread_alive:
+            return 0
+        await asyncio.sleep(0.01)
+    # Finalizing the interpreter under a thread that is inside a TorchScript forward can abort the
+    # process (std::terminate when the thread wakes), so a hung model must not turn exit 0 into SIGABRT.
+    log.warning("the model thread is still in a forward; exiting without waiting for it")
+    logging.shutdown()
+    os._exit(0)
+
+
+def ledger(registry: CollectorRegistry) -> dict[str, Any]:
+    """The AttentionService call ledger from the metrics: every started call handled, by code, and
+    what the queue still holds. Read at exit, and by tests."""
+    started = 0.0
+    handled: dict[str, float] = {}
+    dropped: dict[str, float] = {}
+    values: dict[str, float] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.labels.get("grpc_service") == SERVICE_NAME:
+                if sample.name == "grpc_server_started_total":
+                    started += sample.value
+                elif sample.name == "grpc_server_handled_total":
+                    code = sample.labels["grpc_code"]
+                    handled[code] = handled.get(code, 0) + sample.value
+            elif sample.name == "attention_dropped_total":
+                dropped[sample.labels["reason"]] = sample.value
+            elif sample.name in ("attention_queue_depth", "attention_batch_size_sum"):
+                values[sample.name] = sample.value
+    return {"started": int(started), "handled": {k: int(v) for k, v in handled.items() if v},
+            "dropped": {k: int(v) for k, v in dropped.items() if v},
+            "queue_depth": int(values.get("attention_queue_depth", 0)),
+            "batched_sequences": int(values.get("attention_batch_size_sum", 0))}
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

@@ -101,11 +101,18 @@ class AttentionServicer:
                 request_id = request.request_id
                 response = await self._encode(request, _remaining(context, self._config))
                 code = "OK"
-            except ServiceError as exc:
-                code = STATUS_OF[type(exc)]
-                self._metrics.failures.labels(REASON_OF[type(exc)]).inc()
+            except Exception as exc:  # every request of the stream gets an answer, whatever failed
+                error = self._as_service_error(exc, "EncodeStream")
+                code = STATUS_OF[type(error)]
                 response = pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
-                    code=code, message=exc.message, field=getattr(exc, "field", "")))
+                    code=code, message=_public(error.message), field=_public(getattr(error, "field", ""))))
+            except asyncio.CancelledError as exc:
+                if _being_cancelled():
+                    raise
+                error = self._as_service_error(exc, "EncodeStream")
+                code = STATUS_OF[type(error)]
+                response = pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
+                    code=code, message=error.message))
             finally:
                 slots.release()
             self._observe("EncodeStream", code, started)
@@ -136,6 +143,10 @@ class AttentionServicer:
 
     async def _encode(self, request: pb.EncodeRequest, remaining: float) -> pb.EncodeResponse:
         spec = self._state.require_ready()
+        floor_ms = self._config.min_deadline_ms
+        if remaining * 1e3 < floor_ms:  # refuse at the door what could not finish in time
+            raise DeadlineExceeded(f"deadline too short: {max(remaining, 0) * 1e3:.1f} ms left; "
+                                   f"this service needs at least {floor_ms:g} ms")
         try:
             plan = validate(request, spec, self._config)
         except NonFiniteInput:
@@ -176,27 +187,51 @@ class AttentionServicer:
         started = time.perf_counter()
         code = "OK"
         try:
-            return await work()
-        except ServiceError as exc:
-            code = STATUS_OF[type(exc)]
-            self._metrics.failures.labels(REASON_OF[type(exc)]).inc()
-            await context.abort_with_status(_status(exc))
-            raise AssertionError("abort returned. This is a bug.") from None
-        except asyncio.CancelledError:
-            # The caller cancelled or its deadline passed (grpcio cancels the handler task).
-            code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            code = "INTERNAL"
-            error = ModelFailure("internal error")
-            log.exception("%s failed (ref=%s)", method, error.ref)
-            self._metrics.failures.labels("internal").inc()
-            await context.abort_with_status(_status(error))
-            raise AssertionError("abort returned. This is a bug.") from None
+            try:
+                return await work()
+            except asyncio.CancelledError as exc:
+                if _being_cancelled():
+                    # The caller cancelled or its deadline passed (grpcio cancels the handler task).
+                    code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
+                    raise
+                # Our own code cancelled something this call awaited: answer, or the caller hangs until
+                # its deadline (grpc/grpc#29248).
+                error = self._as_service_error(exc, method)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                error = self._as_service_error(exc, method)
+            code = STATUS_OF[type(error)]
+            try:
+                await context.abort_with_status(_status(error))
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                # The call ended (its deadline passed, or the caller left) just as we answered it, so
+                # grpcio cannot send our status; the caller has its own. Not an UNKNOWN: a cancellation.
+                code = "DEADLINE_EXCEEDED" if _deadline_passed(context) else "CANCELLED"
+                raise asyncio.CancelledError from None
+            raise AssertionError("abort returned. This is a bug.")
         finally:
             self._observe(method, code, started)
+
+    def _as_service_error(self, exc: BaseException, method: str) -> ServiceError:
+        """The error a caller sees for `exc`, counted once in attention_failures_total."""
+        if isinstance(exc, ServiceError):
+            self._metrics.failures.labels(REASON_OF[type(exc)]).inc()
+            return exc
+        if isinstance(exc, asyncio.CancelledError):
+            aborted = ShuttingDown("request aborted: server shutting down; retry on another replica")
+            if self._state.draining:
+                self._metrics.failures.labels(REASON_OF[ShuttingDown]).inc()
+                return aborted
+            error = ModelFailure("request aborted")
+            log.error("%s: a future this call awaited was cancelled (ref=%s). This is a bug.", method, error.ref)
+        else:
+            error = ModelFailure("internal error")
+            log.error("%s failed (ref=%s)", method, error.ref, exc_info=exc)
+        self._metrics.failures.labels("internal").inc()
+        return error
 
     def _observe(self, method: str, code: str, started: float) -> None:
         self._metrics.requests.labels(method, code).inc()
@@ -223,17 +258,31 @@ def _remaining(context: grpc.aio.ServicerContext, config: ServiceConfig) -> floa
     return config.default_timeout_s if remaining is None else min(remaining, config.default_timeout_s)
 
 
+def _being_cancelled() -> bool:
+    """True when this task itself is being cancelled (by grpcio: caller gone or deadline passed),
+    False when a CancelledError came from a future our own code cancelled."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0.001
+
+
+MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
+
+
+def _public(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 4] + " ..."
 
 
 def _status(exc: ServiceError) -> grpc.Status:
     code = getattr(code_pb2, STATUS_OF[type(exc)])
     details = []
     if isinstance(exc, InvalidInput):
-        details.append(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)]))
+        details.append(error_details_pb2.BadRequest(field_violations=[error_details_pb2.BadRequest.FieldViolation(
+            field=_public(exc.field), description=_public(exc.description))]))
     elif isinstance(exc, Overloaded):
         retry = error_details_pb2.RetryInfo()
         retry.retry_delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
@@ -243,7 +292,7 @@ def _status(exc: ServiceError) -> grpc.Status:
         any_detail = any_pb2.Any()
         any_detail.Pack(detail)
         packed.append(any_detail)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=exc.message, details=packed))
+    return rpc_status.to_status(status_pb2.Status(code=code, message=_public(exc.message), details=packed))
 
 
 def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeResponse:
