@@ -19,6 +19,7 @@ from service.runner import Job, ModelSpec
 
 OUTPUT_DTYPES = (pb.DTYPE_UNSPECIFIED, *FLOAT_DTYPES)
 MAX_REQUEST_ID = 128
+MAX_EMBEDDING_ABS = 1e6  # far above any trained embedding; far below where float32 LayerNorm overflows
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,11 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     embeddings = array.astype(np.float32)
     if not np.isfinite(embeddings).all():
         raise NonFiniteInput(field, "holds NaN or Inf")
+    largest = float(np.abs(embeddings).max())
+    if largest > MAX_EMBEDDING_ABS:
+        # Finite, but LayerNorm's variance would overflow (x^2 past float32 max near 1e19): refuse it
+        # as bad input rather than compute a non-finite output.
+        raise InvalidInput(field, f"|value| must be <= {MAX_EMBEDDING_ABS:g}; got {largest:.3g}")
     return None, embeddings
 
 

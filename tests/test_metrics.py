@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry
 
 from client.tensors import from_tensor
 from model import faults
-from proto.attention.v1 import attention_pb2 as pb
 from service.metrics import Metrics
 from tests.conftest import Running, ids_request
 from tests.prometheus_server import prometheus_server

@@ -177,9 +177,6 @@ def test_the_server_is_healthy_and_never_said_unknown_after_fuzzing(channel: grp
     assert fuzz_server.sample("attention_queue_depth") == 0
 
 
-@pytest.mark.xfail(strict=True, reason="validation accepts finite embeddings so large (|x| >= ~1e19) that the "
-                   "model's LayerNorm overflows: INTERNAL 'non-finite model output' instead of INVALID_ARGUMENT. "
-                   "Fix in service/validation.py (bound |x|); then drop this marker.")
 def test_huge_finite_embeddings_are_invalid_argument_not_internal(channel: grpc.Channel):
     embeddings = np.full((3, D_MODEL), 1e30, np.float32)
     request = pb.EncodeRequest(sequences=[pb.Sequence(embeddings=to_tensor(embeddings))])
