@@ -13,7 +13,8 @@ The contract (held by tests/test_batcher.py):
   event loop while the model runs. `max_wait_ms` > 0 may hold a not-full batch open to grow it.
 - A batch holds one computation `key` only (attention or not, causal or not, ...), at most
   `max_batch_size` items and at most `max_batch_tokens` tokens counted as size x padded length.
-- Length-aware: among the queued items of the chosen key, sorted by length, it takes the window of
+- Length-aware: among the oldest queued items of the chosen key (about `pool_batches` batches'
+  worth), sorted by length, it takes the window of
   similar lengths that does the most real work per unit of cost, where a batch costs its padded
   tokens plus `batch_overhead_tokens` (the fixed cost of one forward, in tokens). Age bound: the
   key with the oldest item goes first, and once that item has waited `max_age_ms` the window must
@@ -56,6 +57,7 @@ class BatchLimits:
     max_wait_ms: float = 0.0
     max_age_ms: float = 500.0
     batch_overhead_tokens: int = 128
+    pool_batches: int = 4
     max_queue_tokens: int = 262144
     max_queue_requests: int = 4096
 
@@ -294,8 +296,16 @@ class Batcher(Generic[P]):
             queues = [ready for q in queues if (ready := [i for i in q if i.enqueued_at <= ripe])]
         queue = min(queues, key=lambda q: q[0].enqueued_at)
         oldest = queue[0]
-        # Choose among the oldest few only: bounded work per batch, and a bounded wait for everyone.
-        pool = queue[: max(4 * self._limits.max_batch_size, 256)]
+        # Choose among the oldest items only, about `pool_batches` batches' worth of tokens: items
+        # further back wait their turn, which bounds everyone's wait (the latency tail) while leaving
+        # enough choice to group similar lengths.
+        pool, tokens = [], 0
+        budget = self._limits.pool_batches * self._limits.max_batch_tokens
+        for item in queue:
+            if tokens >= budget or len(pool) >= self._limits.pool_batches * self._limits.max_batch_size:
+                break
+            pool.append(item)
+            tokens += item.request.length
         ordered = sorted(pool, key=lambda item: item.request.length)
         anchor = None
         if now - oldest.enqueued_at >= self._limits.max_age_ms / 1e3:

@@ -47,10 +47,11 @@ class ServiceConfig:
     device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
     precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda, fp32 on cpu)")
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
-    torch_threads: int = _opt(0, "intra-op threads for the model (0 = torch's default)")
+    torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = all cores but one)")
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
     # Batching
-    max_batch_tokens: int = _opt(16384, "token budget of one batch, counted as batch size x padded length")
+    max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length "
+                                    "(0 = by device: 2048 on cpu, 16384 on cuda)")
     max_batch_size: int = _opt(64, "most sequences in one batch")
     max_wait_ms: float = _opt(0.0, "hold a not-full batch open up to this long to grow it (0 = never wait)")
     max_age_ms: float = _opt(500.0, "a sequence queued this long is batched next, whatever its length")
@@ -95,7 +96,7 @@ class ServiceConfig:
         for name in ("metrics_port", "health_port"):
             _check(name, getattr(self, name), -1, 65535)
         for name in (
-            "max_batch_tokens", "max_batch_size", "max_queue_tokens", "max_queue_requests",
+            "max_batch_size", "max_queue_tokens", "max_queue_requests",
             "max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes",
             "max_stream_inflight",
         ):
@@ -123,7 +124,8 @@ class ServiceConfig:
             # Never echo a token: it is a secret, and this message goes to the log.
             if not token.isascii() or not token.isprintable() or " " in token:
                 raise ValueError(f"auth_tokens: token {i} must be printable ASCII without spaces")
-        if self.max_batch_size > self.max_batch_tokens:
+        _check("max_batch_tokens", self.max_batch_tokens, 0, None)
+        if self.max_batch_tokens and self.max_batch_size > self.max_batch_tokens:
             raise ValueError(
                 f"max_batch_size ({self.max_batch_size}) cannot exceed max_batch_tokens ({self.max_batch_tokens})"
             )

@@ -16,6 +16,7 @@ Failure handling, per batch:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,6 +91,18 @@ class RunnerObserver(Protocol):
     def on_split(self, reason: str) -> None: ...
 
 
+def default_threads() -> int:
+    """Intra-op threads when the config says 0: one per usable core (torch's own default, stated)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_batch_tokens(device: str) -> int:
+    """The token budget when the config says 0 (`device` as configured: auto | cpu | cuda). On CPU,
+    forwards are most efficient per token at about 2048 tokens (bench/RESULTS.md); a GPU wants more."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return 16384 if cuda else 2048
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -125,8 +138,8 @@ class Runner:
         self.spec: ModelSpec | None = None
 
     def load(self) -> ModelSpec:
-        if self._config.torch_threads:
-            torch.set_num_threads(self._config.torch_threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self._config.torch_threads or default_threads())
         bundle = load_bundle(self._bundle_dir, device=str(self.device), dtype=DTYPES[self.precision])
         self._module = bundle.module
         if self.precision != "fp32" and self._config.nonfinite_policy == "retry":

@@ -35,7 +35,7 @@ from service.config import ServiceConfig
 from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
 from service.metrics import Metrics
-from service.runner import Job, Runner
+from service.runner import Job, Runner, default_batch_tokens
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
 
@@ -64,8 +64,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.hooks = Hooks.from_config(config)
         self.runner: Runner | None = None
+        self.max_batch_tokens = config.max_batch_tokens or default_batch_tokens(config.device)
         limits = BatchLimits(
-            max_batch_tokens=config.max_batch_tokens, max_batch_size=config.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens, max_batch_size=config.max_batch_size,
             max_wait_ms=config.max_wait_ms, max_age_ms=config.max_age_ms,
             max_queue_tokens=config.max_queue_tokens, max_queue_requests=config.max_queue_requests,
         )
@@ -143,11 +144,11 @@ class Server:
         bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
         runner = Runner(config, bundle_dir, self.metrics)
         spec = await asyncio.to_thread(runner.load)
-        if spec.max_length > config.max_batch_tokens:
-            raise ValueError(f"max_batch_tokens ({config.max_batch_tokens}) is below the model's "
+        if spec.max_length > self.max_batch_tokens:
+            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is below the model's "
                              f"max_length ({spec.max_length}): a longest sequence could never be batched")
         if config.warmup:
-            await asyncio.to_thread(runner.warmup, config.max_batch_tokens, config.max_batch_size)
+            await asyncio.to_thread(runner.warmup, self.max_batch_tokens, config.max_batch_size)
         self.runner = runner
         self.metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
         self.state.spec = spec

@@ -87,3 +87,13 @@ def test_help_documents_every_setting_with_its_environment_variable():
     assert result.returncode == 0
     for f in fields(ServiceConfig):
         assert f"ATTN_{f.name.upper()}" in result.stdout, f.name
+
+
+def test_readme_documents_every_setting():
+    from dataclasses import fields
+
+    from service.config import ServiceConfig
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for f in fields(ServiceConfig):
+        assert f"`ATTN_{f.name.upper()}`" in readme, f"README's configuration table lacks ATTN_{f.name.upper()}"
