@@ -299,7 +299,8 @@ class Batcher(Generic[P]):
         # Choose among the oldest items only, about `pool_batches` batches' worth of tokens: items
         # further back wait their turn, which bounds everyone's wait (the latency tail) while leaving
         # enough choice to group similar lengths.
-        pool, tokens = [], 0
+        pool: list[Item[P]] = []
+        tokens = 0
         budget = self._limits.pool_batches * self._limits.max_batch_tokens
         for item in queue:
             if tokens >= budget or len(pool) >= self._limits.pool_batches * self._limits.max_batch_size:

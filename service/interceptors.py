@@ -16,7 +16,8 @@ def _code_name(context: grpc.aio.ServicerContext) -> str:
     code = context.code()
     if code is None:
         return "OK"
-    return code.name if isinstance(code, grpc.StatusCode) else grpc.StatusCode(code).name
+    name: str = code.name if isinstance(code, grpc.StatusCode) else grpc.StatusCode(code).name
+    return name
 
 
 def _cancel_code(context: grpc.aio.ServicerContext) -> str:
@@ -24,7 +25,7 @@ def _cancel_code(context: grpc.aio.ServicerContext) -> str:
     return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.001 else "CANCELLED"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 

@@ -234,6 +234,7 @@ class Runner:
         if first.token_ids is not None:
             batch = np.zeros((B, T), dtype=np.int64)
             for row, job in enumerate(jobs):
+                assert job.token_ids is not None  # one key per batch: all ids or all embeddings
                 batch[row, : job.length] = job.token_ids
             ids = torch.from_numpy(batch).to(self.device, non_blocking=True)
         else:

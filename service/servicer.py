@@ -74,14 +74,16 @@ class AttentionServicer:
         async def work() -> bytes:
             request = _parse(pb.EncodeRequest, raw)
             response = await self._encode(request, _remaining(context, self._config))
-            return response.SerializeToString()
+            data: bytes = response.SerializeToString()
+            return data
 
         return await self._answer("Encode", context, work)
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
             _parse(pb.GetModelInfoRequest, raw)
-            return self._model_info().SerializeToString()
+            data: bytes = self._model_info().SerializeToString()
+            return data
 
         return await self._answer("GetModelInfo", context, work)
 
