@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
-.PHONY: venv run test test-fast proto lint typecheck check bench bench-model gpu-check system-deps clean
+.PHONY: venv run test test-fast proto lint typecheck check bench bench-model system-deps clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,9 +42,6 @@ bench-model: $(STAMP)  ## the model's in-process ceiling (bench/RESULTS.md)
 
 bench: $(STAMP)  ## the service against its ceiling (bench/RESULTS.md)
 	$(BIN)/python -m bench.service_bench
-
-gpu-check: $(STAMP)  ## CUDA tests and the GPU benchmark, one script (writes under $$OUT when set)
-	bash bench/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
