@@ -47,7 +47,7 @@ class ServiceConfig:
     device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
     precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda, fp32 on cpu)")
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
-    torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = all cores but one)")
+    torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = one per core)")
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
     # Batching
     max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length "
