@@ -41,9 +41,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-import numpy as np
-
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
+from service.window import choose_window
 
 log = logging.getLogger(__name__)
 
@@ -108,33 +107,6 @@ class _NullObserver:
 
     def on_dropped(self, reason: str, count: int) -> None:
         pass
-
-
-def choose_window(lengths: Sequence[int], limits: BatchLimits, anchor: int | None) -> tuple[int, int]:
-    """Given lengths sorted ascending, the [lo, hi] window to batch (inclusive).
-
-    Every window within the size and token limits (all padded to lengths[hi]) is scored by real
-    tokens / (padded tokens + batch_overhead_tokens); the best wins, ties going to more real tokens.
-    With `anchor`, only windows that contain it are considered. Vectorised: n x max_batch_size cells.
-    """
-    n = len(lengths)
-    length = np.asarray(lengths, dtype=np.int64)
-    prefix = np.concatenate(([0], np.cumsum(length)))
-    hi = np.arange(n)[:, None]  # (n, 1)
-    size = np.arange(1, min(limits.max_batch_size, n) + 1)[None, :]  # (1, k)
-    lo = hi - size + 1  # (n, k)
-    padded = size * length[:, None]  # (n, k)
-    valid = (lo >= 0) & (padded <= limits.max_batch_tokens)
-    if anchor is not None:
-        valid &= (lo <= anchor) & (hi >= anchor)
-    real = prefix[hi + 1] - prefix[np.clip(lo, 0, None)]  # (n, k)
-    score = np.where(valid, real / (padded + limits.batch_overhead_tokens) + real * 1e-12, -1.0)
-    best = int(np.argmax(score))
-    if score.flat[best] < 0:  # nothing fits the budget (one item longer than it): run one alone
-        one = 0 if anchor is None else anchor
-        return one, one
-    h, k = divmod(best, score.shape[1])
-    return h - k, h
 
 
 class Batcher(Generic[P]):
@@ -406,5 +378,4 @@ def _settle_many(outcomes: list[tuple[asyncio.Future[Done], Any]]) -> None:
 
 __all__ = [
     "BatchLimits", "BatchObserver", "Batcher", "Done", "Item", "Request", "ServiceError",
-    "choose_window",
 ]

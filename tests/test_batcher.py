@@ -14,8 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.batcher import Batcher, BatchLimits, Done, Request, choose_window
+from service.batcher import Batcher, BatchLimits, Done, Request
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
+from service.window import choose_window
 
 
 class FakeModel:
