@@ -229,7 +229,7 @@ class Runner:
         first = jobs[0]
         lengths_list = [job.length for job in jobs]
         B, T = len(jobs), max(lengths_list)
-        lengths = torch.tensor(lengths_list, dtype=torch.int64)
+        lengths = torch.tensor(lengths_list, dtype=torch.int64, device=self.device)
         ids = emb = None
         if first.token_ids is not None:
             batch = np.zeros((B, T), dtype=np.int64)
@@ -246,9 +246,9 @@ class Runner:
         layers = sorted(set(first.attn_layers))
         started = time.perf_counter()
         with torch.inference_mode():
-            hidden, attention = module(ids, emb, lengths.to(self.device), first.causal, layers)
+            hidden, attention = module(ids, emb, lengths, first.causal, layers)
             hidden = hidden.float()
-            real = torch.arange(T, device=hidden.device)[None, :] < lengths.to(hidden.device)[:, None]  # (B, T)
+            real = torch.arange(T, device=hidden.device)[None, :] < lengths[:, None]  # (B, T)
             finite = (torch.isfinite(hidden).all(dim=-1) | ~real).all(dim=-1)  # (B,)
             if attention is not None:
                 if layers != list(first.attn_layers):  # the order asked for

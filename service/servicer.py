@@ -102,22 +102,15 @@ class AttentionServicer:
                 request = _parse(pb.EncodeRequest, raw)
                 request_id = request.request_id
                 response = await self._encode(request, _remaining(context, self._config))
-                code = "OK"
             except Exception as exc:  # every request of the stream gets an answer, whatever failed
-                error = self._as_service_error(exc, "EncodeStream")
-                code = STATUS_OF[type(error)]
-                response = pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
-                    code=code, message=_public(error.message), field=_public(getattr(error, "field", ""))))
+                response = _stream_error(request_id, self._as_service_error(exc, "EncodeStream"))
             except asyncio.CancelledError as exc:
                 if _being_cancelled():
                     raise
-                error = self._as_service_error(exc, "EncodeStream")
-                code = STATUS_OF[type(error)]
-                response = pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
-                    code=code, message=error.message))
+                response = _stream_error(request_id, self._as_service_error(exc, "EncodeStream"))
             finally:
                 slots.release()
-            self._observe("EncodeStream", code, started)
+            self._observe("EncodeStream", response.error.code or "OK", started)
             await out.put(response.SerializeToString())
 
         async def read() -> None:
@@ -246,6 +239,12 @@ class AttentionServicer:
             "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream, response_serializer=serialize),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=serialize),
         })
+
+
+def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
+    """A failed EncodeStream request's answer: the same code and message a unary call would get."""
+    return pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
+        code=STATUS_OF[type(error)], message=_public(error.message), field=_public(getattr(error, "field", ""))))
 
 
 def _parse(message_type: Any, raw: bytes) -> Any:

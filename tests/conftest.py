@@ -14,6 +14,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from client.tensors import to_tensor
 from model.bundle import load_bundle, save_bundle
 from model.config import TINY
 from model.encoder import Encoder
@@ -105,7 +106,5 @@ async def served(start_server: Callable[..., Any]) -> Running:
 
 
 def ids_request(*sequences: np.ndarray, **fields: Any) -> pb.EncodeRequest:
-    from client.tensors import to_tensor
-
     return pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(np.asarray(s, np.int64))) for s in sequences],
                             **fields)

@@ -121,8 +121,10 @@ async def test_full_queue_refuses_at_once_and_health_answers_while_saturated(sta
     hung = s.stub.Encode(ids_request([faults.HANG, 1]), timeout=60)
     await asyncio.to_thread(faults.HANG_ENTERED.wait, 10)  # the model thread is stuck in a forward
     calls = [s.stub.Encode(ids_request([1, 2, i + 1]), timeout=60) for i in range(40)]
-    await wait_for(lambda: s.sample("attention_failures_total", {"reason": "queue_full"}) == 32,
-                   what="32 refusals")
+    # Server-side count first, then the client side: a refusal counted by the server may still be on
+    # its way back to this client's call object.
+    await wait_for(lambda: s.sample("attention_failures_total", {"reason": "queue_full"}) == 32
+                   and sum(c.done() for c in calls) >= 32, what="32 refusals")
     refused = [c for c in calls if c.done()]
     assert len(refused) == 32 and s.sample("attention_queue_depth") == 8
     for call in refused:
