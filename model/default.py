@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import model.config
+import model.encoder
 from model.bundle import MANIFEST_FILE, BundleError, Manifest, save_bundle
 from model.config import REFERENCE
 from model.encoder import Encoder
@@ -21,14 +24,23 @@ def build_default_bundle(directory: str | os.PathLike[str], seed: int = 0) -> Ma
     return save_bundle(module, directory, name=DEFAULT_NAME, version=DEFAULT_VERSION, source=f"seed:{seed}")
 
 
+def code_id() -> str:
+    """A fingerprint of the code a default bundle scripts (model/encoder.py, model/config.py): after an
+    upgrade that changes the model's code, a bundle cached by the old code is not reused."""
+    digest = hashlib.sha256()
+    for source in (model.encoder.__file__, model.config.__file__):
+        digest.update(Path(source).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def ensure_default_bundle(cache_dir: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Return cache_dir/attention-reference-v1-seed{seed}, building it first if it is not there.
+    """Return cache_dir/attention-reference-v1-seed{seed}-{code_id()}, building it first if it is not there.
 
     Built in a temporary sibling and renamed into place, so a reader never sees half a bundle and two
     processes racing both end up with one complete bundle.
     """
     cache_dir = Path(cache_dir)
-    final = cache_dir / f"{DEFAULT_NAME}-v{DEFAULT_VERSION}-seed{seed}"
+    final = cache_dir / f"{DEFAULT_NAME}-v{DEFAULT_VERSION}-seed{seed}-{code_id()}"
     if (final / MANIFEST_FILE).is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -57,9 +57,14 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
-    def forward(self, x: Tensor, mask: Tensor, need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(
+        self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         """x (B, T, C); mask bool (B, 1, 1|T, T), True where a query may attend to a key.
 
+        unpadded: the caller knows that no key is padding, so `mask` is all True (B, 1, 1, T) or exactly
+        the causal triangle (B, 1, T, T). The SDPA path then passes no mask at all (is_causal for the
+        triangle), which CUDA's flash kernel requires and CPU SDPA runs faster; the explicit path ignores it.
         Returns (y (B, T, C), weights (B, nh, T, T) fp32 or None). A query row with no allowed key
         gives y = 0 and all-zero weights on both paths (SDPA's own rule for fully masked rows).
         """
@@ -69,8 +74,12 @@ class MultiHeadAttention(nn.Module):
         k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         weights: Optional[Tensor] = None
-        if not need_weights:
-            # Fused kernels (flash / memory-efficient on CUDA, flash on CPU), fp32 accumulation inside.
+        if not need_weights and unpadded:
+            # No mask: flash is eligible on CUDA. SDPA's is_causal is the top-left triangle (key j <= query
+            # i), the same as our causal mask for T queries over T keys; a (B, 1, 1, 1) mask is either.
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=mask.size(2) > 1, scale=self.scale)
+        elif not need_weights:
+            # Fused kernels (memory-efficient on CUDA, flash on CPU), fp32 accumulation inside.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, nh, T, hs)
             # A query with no key at all (a length-0 row): SDPA's CPU kernels give 0, but CUDA's
             # memory-efficient kernel has given NaN (pytorch#110213). Make it 0 on every backend.
@@ -119,13 +128,15 @@ class EncoderBlock(nn.Module):
         self.ln2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ff = FeedForward(config)
 
-    def forward(self, x: Tensor, mask: Tensor, need_weights: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    def forward(
+        self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         if self.norm_first:
-            a, w = self.attn(self.ln1(x), mask, need_weights)
+            a, w = self.attn(self.ln1(x), mask, need_weights, unpadded)
             x = x + a
             x = x + self.ff(self.ln2(x))
         else:
-            a, w = self.attn(x, mask, need_weights)
+            a, w = self.attn(x, mask, need_weights, unpadded)
             x = self.ln1(x + a)
             x = self.ln2(x + self.ff(x))
         return x, w
@@ -209,7 +220,10 @@ class Encoder(nn.Module):
 
         token_ids (B, T) int64, or embeddings (B, T, d_model) replacing the token lookup (positions
         are still added); exactly one. lengths (B,) int64: keys at positions >= length are padding;
-        padded query rows are computed (finite) and meant to be ignored. causal: lookahead mask.
+        padded query rows are computed (finite) and meant to be ignored. On the host (a CPU tensor,
+        pinned for an asynchronous copy), lengths also tell without a device sync whether any row is
+        padded: if none is, the SDPA layers pass no mask (flash-eligible on CUDA). Lengths on the device
+        always take the masked path (reading them would wait for the device). causal: lookahead mask.
         attn_layers: sorted, distinct layer indices in [0, n_layers) whose weights are wanted; those
         layers take the explicit path. Returns hidden (B, T, d_model) in the module's dtype and, if
         attn_layers is not empty, weights (B, len(attn_layers), nh, T, T) fp32, padded keys exactly 0.
@@ -238,13 +252,15 @@ class Encoder(nn.Module):
             previous = layer
         if self.has_positions:
             x = x + self.pos_emb[:T]  # (B, T, C) + (T, C)
+        # Host lengths only: a device tensor would be read by waiting for the device (no pipelining).
+        unpadded = lengths.device.type == "cpu" and bool((lengths >= T).all())
         positions = torch.arange(T, device=x.device)
-        mask = (positions[None, :] < lengths[:, None].to(x.device))[:, None, None, :]  # (B, 1, 1, T)
+        mask = (positions[None, :] < lengths.to(x.device, non_blocking=True)[:, None])[:, None, None, :]  # (B,1,1,T)
         if causal:
             mask = mask & (positions[None, :] <= positions[:, None])  # (B, 1, T, T): key j <= query i
         weights: List[Tensor] = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, mask, i in attn_layers)
+            x, w = block(x, mask, i in attn_layers, unpadded)
             if w is not None:
                 weights.append(w)
         x = self.ln_f(x)

@@ -2,6 +2,7 @@
 a hand-written softmax(QK^T / sqrt(d_head)) V), and its two paths against each other. fp32, atol 1e-5."""
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -9,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.encoder import MultiHeadAttention
-from tests.model_helpers import key_mask, stock_mha, tiny
+from model.encoder import Encoder, MultiHeadAttention
+from tests.model_helpers import batch, key_mask, stock_mha, tiny
 
 ATOL = 1e-5
 CFG = tiny()
@@ -144,3 +145,82 @@ def test_fully_masked_rows_are_zeroed_even_if_the_kernel_gives_nan(monkeypatch: 
         y, _ = attn(x, key_mask(lengths, 4, causal=True), False)
     assert torch.isfinite(y).all()
     assert torch.equal(y[1], attn.proj.bias.expand(4, -1))
+
+
+# -- unpadded batches: SDPA without a mask (flash-eligible on CUDA) ---------------------------------
+
+def _sdpa_mask_shapes(fn: Callable[[], object]) -> list[list[int]]:
+    """The attn_mask shape of every SDPA call fn() makes ([] where none is passed), read with the profiler,
+    which sees scripted modules as well as eager ones."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [e.input_shapes[3] for e in prof.events() if e.name == "aten::scaled_dot_product_attention"]
+
+
+def _masked_reference(enc: Encoder, ids: torch.Tensor, lengths: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Encoder.forward as it was before the mask-free path: every SDPA layer given the mask."""
+    T = ids.shape[1]
+    x = enc.tok_emb(ids) + enc.pos_emb[:T]
+    mask = key_mask(lengths, T, causal)
+    for block in enc.blocks:
+        x, _ = block(x, mask, False)
+    return enc.ln_f(x)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T", [1, 9])
+def test_unpadded_attention_without_a_mask_equals_the_masked_one(causal: bool, T: int) -> None:
+    attn = _attention()
+    x, lengths = _inputs([T, T, T], T, seed=6)
+    mask = key_mask(lengths, T, causal)
+    for module in (attn, torch.jit.script(attn)):
+        with torch.no_grad():
+            masked, _ = module(x, mask, False)
+            free, none = module(x, mask, False, True)
+            explicit, _ = module(x, mask, True, True)  # the explicit path ignores the flag
+        assert none is None
+        torch.testing.assert_close(free, masked, atol=ATOL, rtol=0)
+        torch.testing.assert_close(free, explicit, atol=ATOL, rtol=0)
+
+
+Encoders = tuple[Encoder, torch.jit.ScriptModule]
+
+
+@pytest.fixture(scope="module")
+def encoders() -> Encoders:
+    """A pre-LN TINY encoder with a final norm, eager and scripted (as model/bundle.py saves it)."""
+    enc = Encoder(tiny(norm_first=True, final_norm=True)).init_weights(3).eval()
+    return enc, torch.jit.script(enc)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+def test_unpadded_batch_takes_the_mask_free_path_and_equals_the_masked_one(encoders: Encoders, causal: bool,
+                                                                          scripted: bool) -> None:
+    enc, module = encoders[0], encoders[1] if scripted else encoders[0]
+    ids, lengths = batch(enc.config, [11, 11, 11], seed=7)
+    with torch.inference_mode():
+        want = _masked_reference(enc, ids, lengths, causal)
+        got, _ = module(ids, None, lengths, causal, [])
+        shapes = _sdpa_mask_shapes(lambda: module(ids, None, lengths, causal, []))
+        longer, _ = module(ids, None, lengths + 5, causal, [])  # lengths past T: no padding either
+    assert shapes == [[]] * enc.n_layers  # no mask passed to any layer
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert torch.equal(longer, got)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+def test_a_mixed_batch_keeps_the_mask_and_equals_each_sequence_alone(encoders: Encoders, causal: bool,
+                                                                     scripted: bool) -> None:
+    enc, module = encoders[0], encoders[1] if scripted else encoders[0]
+    lengths = [11, 4, 11, 1]
+    ids, lengths_t = batch(enc.config, lengths, seed=8)
+    with torch.inference_mode():
+        got, _ = module(ids, None, lengths_t, causal, [])
+        shapes = _sdpa_mask_shapes(lambda: module(ids, None, lengths_t, causal, []))
+        torch.testing.assert_close(got, _masked_reference(enc, ids, lengths_t, causal), atol=ATOL, rtol=0)
+        for row, n in enumerate(lengths):  # each alone is unpadded: the mask-free path
+            alone, _ = module(ids[row : row + 1, :n], None, torch.tensor([n]), causal, [])
+            torch.testing.assert_close(got[row, :n], alone[0], atol=ATOL, rtol=0)
+    assert shapes == [[4, 1, 11 if causal else 1, 11]] * enc.n_layers

@@ -27,7 +27,7 @@ from model.bundle import (
     weights_sha256,
 )
 from model.config import REFERENCE, TINY
-from model.default import build_default_bundle, ensure_default_bundle
+from model.default import build_default_bundle, code_id, ensure_default_bundle
 from model.encoder import Encoder
 from tests.model_helpers import batch, rel_err, tiny
 
@@ -210,7 +210,7 @@ def test_ensure_default_bundle_builds_once(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(default_mod, "build_default_bundle", counting_build)
     path = ensure_default_bundle(tmp_path / "cache")
-    assert path == tmp_path / "cache" / "attention-reference-v1-seed0" and calls == [0]
+    assert path == tmp_path / "cache" / f"attention-reference-v1-seed0-{code_id()}" and calls == [0]
     assert ensure_default_bundle(tmp_path / "cache") == path and calls == [0]
     assert sorted(os.listdir(tmp_path / "cache")) == [path.name], "no temporary directory left behind"
     assert load_bundle(path).manifest.source == "seed:0"
@@ -219,7 +219,7 @@ def test_ensure_default_bundle_builds_once(tmp_path: Path, monkeypatch: pytest.M
 def test_ensure_default_bundle_loses_a_race_gracefully(default_dir: Path, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
-    final = cache / "attention-reference-v1-seed0"
+    final = cache / f"attention-reference-v1-seed0-{code_id()}"
 
     def racing_build(directory: Path, seed: int = 0) -> Manifest:
         # Another process finishes first, while we are still building.
