@@ -11,24 +11,30 @@ The contract (held by tests/test_batcher.py):
   chosen at the moment the model frees, so it holds everything that arrived during the previous
   forward (continuous batching: no fixed wait when idle). Decoding and validation happen on the
   event loop while the model runs. `max_wait_ms` > 0 may hold a not-full batch open to grow it.
+- Pipelined (a `pipeline` whose `pipelined` is true, e.g. the runner on a GPU): the model thread
+  `launch`es a batch, then, if another is ready at once (it never waits for arrivals), chooses and
+  launches that one before it `finish`es and delivers the first, so choosing and collating batch
+  N+1 overlaps batch N's device work. At most two batches are in flight; with nothing ready it
+  finishes N first. Not pipelined, the loop is exactly the one above.
 - A batch holds one computation `key` only (attention or not, causal or not, ...), at most
   `max_batch_size` items and at most `max_batch_tokens` tokens counted as size x padded length.
 - Length-aware: among the oldest queued items of the chosen key (about `pool_batches` batches'
-  worth), sorted by length, it takes the window of
-  similar lengths that does the most real work per unit of cost, where a batch costs its padded
-  tokens plus `batch_overhead_tokens` (the fixed cost of one forward, in tokens). Age bound: the
-  key with the oldest item goes first, and once that item has waited `max_age_ms` the window must
-  contain it, so no item starves behind newcomers.
+  worth), sorted by length, it takes the window of similar lengths that does the most work per
+  unit of cost, where a batch costs its padded tokens plus `batch_overhead_tokens` (the fixed cost
+  of one forward, in tokens) and each item's work and padded tokens count more the longer it has
+  waited (service/window.py). Age bound: the key with the oldest item goes first, and once that
+  item has waited `max_age_ms` the window must contain it, so no item starves behind newcomers.
 - Items whose deadline has passed or whose caller cancelled are dropped before they are computed
   (counted by reason: `deadline`, `cancelled`, `shutting_down`).
-- `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch finish; with
-  `join_timeout`, a batch still running after that long is failed with `ShuttingDown` too, so a
-  caller waiting on a stuck model still gets an answer.
+- `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch(es) finish;
+  with `join_timeout`, batches still running after that long are failed with `ShuttingDown` too,
+  so a caller waiting on a stuck model still gets an answer.
 - `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError` per item, and
   the forward's wall time. An exception from it fails only that batch's items (as `ModelFailure`),
-  and the loop lives on.
+  and the loop lives on. `finish(launch(payloads))` returns the same; if either raises, that batch
+  is run again through `execute`, so a pipelined failure is handled exactly like an unpipelined one.
 
-It imports neither grpc nor torch: `execute` is injected (service/runner.py provides it).
+It imports neither grpc nor torch: `execute` and `pipeline` are injected (service/runner.py).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
-from service.window import choose_window
+from service.window import choose_batch, pool_size
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +115,25 @@ class _NullObserver:
         pass
 
 
+class Pipeline(Protocol[P]):
+    """`execute` in two halves, so the model thread can prepare the next batch while one computes."""
+
+    @property
+    def pipelined(self) -> bool: ...  # read before each batch; False: use `execute`
+    def launch(self, payloads: list[P]) -> Any: ...  # start the batch; returns a handle for `finish`
+    def finish(self, handle: Any) -> tuple[Sequence[Any], float]: ...  # as `execute` returns
+
+
+@dataclass(eq=False)
+class _Flight(Generic[P]):
+    """A launched batch, until it is finished and delivered."""
+
+    batch: list[Item[P]]
+    started: float
+    handle: Any = None
+    error: Exception | None = None  # launch raised: run it through `execute` instead
+
+
 class Batcher(Generic[P]):
     """Queues sequences from many calls and feeds them, batched, to `execute` on one model thread."""
 
@@ -121,8 +146,10 @@ class Batcher(Generic[P]):
         clock: Callable[[], float] = time.monotonic,
         thread_name: str = "model-runner",
         admit_delay_s: float = 0.0,
+        pipeline: Pipeline[P] | None = None,
     ) -> None:
         self._execute = execute
+        self._pipeline = pipeline
         self._limits = limits
         self._observer: BatchObserver = observer or _NullObserver()
         self._clock = clock
@@ -133,7 +160,7 @@ class Batcher(Generic[P]):
         self._accepting = True
         self._stopping = False
         self._busy = False
-        self._running: list[Item[P]] = []
+        self._running: list[Item[P]] = []  # the items of the batches in flight (one, or two pipelined)
         self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -268,25 +295,11 @@ class Batcher(Generic[P]):
             queues = [ready for q in queues if (ready := [i for i in q if i.enqueued_at <= ripe])]
         queue = min(queues, key=lambda q: q[0].enqueued_at)
         oldest = queue[0]
-        # Choose among the oldest items only, about `pool_batches` batches' worth of tokens: items
-        # further back wait their turn, which bounds everyone's wait (the latency tail) while leaving
-        # enough choice to group similar lengths.
-        pool: list[Item[P]] = []
-        tokens = 0
-        budget = self._limits.pool_batches * self._limits.max_batch_tokens
-        for item in queue:
-            if tokens >= budget or len(pool) >= self._limits.pool_batches * self._limits.max_batch_size:
-                break
-            pool.append(item)
-            tokens += item.request.length
-        ordered = sorted(pool, key=lambda item: item.request.length)
-        anchor = None
-        if now - oldest.enqueued_at >= self._limits.max_age_ms / 1e3:
-            anchor = ordered.index(oldest)
-        lo, hi = choose_window([item.request.length for item in ordered], self._limits, anchor)
-        batch = ordered[lo : hi + 1]
+        pool = queue[: pool_size(self._limits)]
+        picked = choose_batch([i.request.length for i in pool], [now - i.enqueued_at for i in pool], self._limits)
+        batch = [pool[i] for i in picked]
         hold = 0.0
-        if self._limits.max_wait_ms > 0 and lo == 0 and hi == len(queue) - 1:
+        if self._limits.max_wait_ms > 0 and len(batch) == len(queue):
             # Everything compatible fits: waiting could grow the batch, up to max_wait_ms.
             longest = batch[-1].request.length
             full = len(batch) >= self._limits.max_batch_size or (
@@ -296,7 +309,9 @@ class Batcher(Generic[P]):
                 hold = oldest.enqueued_at + self._limits.max_wait_ms / 1e3 - now
         return batch, max(hold, 0.0)
 
-    def _next_batch(self) -> list[Item[P]] | None:
+    def _next_batch(self, wait: bool = True) -> list[Item[P]] | None:
+        """The next batch, marked running; None when stopping, or (with `wait` false) when none is
+        ready now: nothing queued, or the choice would hold the batch open."""
         with self._cond:
             while True:
                 if self._stopping:
@@ -309,49 +324,110 @@ class Batcher(Generic[P]):
                                       for i in expired])
                 if not self._queues:
                     self._observer.on_queue(0, 0)
+                    if not wait:
+                        return None
                     self._cond.wait()
                     continue
                 batch, hold = self._choose(now)
                 if hold > 0:
+                    if not wait:
+                        return None
                     self._cond.wait(timeout=hold)
                     continue
                 for item in batch:
                     self._remove(item)
                     item.state = "running"
-                self._running = batch
+                self._running = [*self._running, *batch]
                 self._busy = True
                 self._observer.on_queue(self._queued_items, self._queued_tokens)
                 return batch
 
     def _run(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            try:
-                self._run_batch(batch)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._running = []
+        flight: _Flight[P] | None = None  # launched, not yet finished (pipelined only)
+        while True:
+            if flight is None:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+                if self._pipeline is not None and self._pipeline.pipelined:
+                    flight = self._launch(batch)
+                else:
+                    self._run_batch(batch)
+                continue
+            # Batch N is in flight: launch N+1 first if one is ready now, so its choice and collation
+            # overlap N's device work; never wait for arrivals, which would delay delivering N. After a
+            # failed launch nothing else is launched until that batch has been run the ordinary way.
+            following = None
+            if flight.error is None and (batch := self._next_batch(wait=False)) is not None:
+                following = self._launch(batch)
+            self._finish(flight)
+            flight = following
 
     def _run_batch(self, batch: list[Item[P]]) -> None:
         started = self._clock()
+        self._on_batch(batch, started)
+        self._deliver(batch, started, lambda: self._execute([item.request.payload for item in batch]))
+
+    def _launch(self, batch: list[Item[P]]) -> _Flight[P]:
+        assert self._pipeline is not None
+        started = self._clock()
+        self._on_batch(batch, started)
+        try:
+            return _Flight(batch, started, self._pipeline.launch([item.request.payload for item in batch]))
+        except Exception as exc:  # noqa: BLE001 - the batch is run through `execute` when finished
+            return _Flight(batch, started, error=exc)
+
+    def _finish(self, flight: _Flight[P]) -> None:
+        self._deliver(flight.batch, flight.started, lambda: self._finish_or_execute(flight))
+
+    def _finish_or_execute(self, flight: _Flight[P]) -> tuple[Sequence[Any], float]:
+        assert self._pipeline is not None
+        error = flight.error
+        if error is None:
+            try:
+                return self._pipeline.finish(flight.handle)
+            except Exception as exc:  # noqa: BLE001 - handled below
+                error = exc
+        # Run it again the ordinary way: `execute` splits the batch on OOM and bisects to the one bad
+        # sequence on a model error, so every item gets its own outcome, as unpipelined.
+        log.warning("pipelined batch of %d failed (%s: %s); running it through execute",
+                    len(flight.batch), type(error).__name__, error)
+        return self._execute([item.request.payload for item in flight.batch])
+
+    def _on_batch(self, batch: list[Item[P]], started: float) -> None:
         padded = max(item.request.length for item in batch)
         queue_s = [started - item.enqueued_at for item in batch]
         self._observer.on_batch(len(batch), padded, sum(i.request.length for i in batch), queue_s)
+
+    def _deliver(self, batch: list[Item[P]], started: float,
+                 run: Callable[[], tuple[Sequence[Any], float]]) -> None:
+        """Run the batch's computation, resolve its futures, and retire it, whatever happens."""
         try:
-            outputs, compute_s = self._execute([item.request.payload for item in batch])
+            self._settle_all(self._outcomes(batch, started, run))
+        finally:
+            with self._cond:
+                done = set(batch)
+                self._running = [item for item in self._running if item not in done]
+                self._busy = bool(self._running)
+
+    def _outcomes(self, batch: list[Item[P]], started: float,
+                  run: Callable[[], tuple[Sequence[Any], float]]) -> list[tuple[asyncio.Future[Done], Any]]:
+        padded = max(item.request.length for item in batch)
+        try:
+            outputs, compute_s = run()
             if len(outputs) != len(batch):
                 raise RuntimeError(f"execute returned {len(outputs)} outputs for {len(batch)} items")
             outcomes: list[tuple[asyncio.Future[Done], Any]] = []
-            for item, out, waited in zip(batch, outputs, queue_s, strict=True):
+            for item, out in zip(batch, outputs, strict=True):
                 if isinstance(out, BaseException):
                     outcomes.append((item.future, out))
                 else:
-                    outcomes.append((item.future, Done(out, waited, compute_s, len(batch), padded)))
+                    outcomes.append((item.future, Done(out, started - item.enqueued_at, compute_s, len(batch), padded)))
         except Exception:
             error = ModelFailure()
             log.exception("batch of %d failed (ref=%s)", len(batch), error.ref)
             outcomes = [(item.future, error) for item in batch]
-        self._settle_all(outcomes)
+        return outcomes
 
     def _settle_all(self, outcomes: list[tuple[asyncio.Future[Done], Any]]) -> None:
         if outcomes and self._loop is not None and not self._loop.is_closed():

@@ -18,6 +18,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "precision": ("auto", "fp32", "fp16", "bf16"),
     "nonfinite_policy": ("retry", "fail"),
+    "pipeline": ("auto", "on", "off"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -57,6 +58,8 @@ class ServiceConfig:
     max_age_ms: float = _opt(500.0, "a sequence queued this long is batched next, whatever its length")
     max_queue_tokens: int = _opt(262144, "queued tokens beyond which calls get RESOURCE_EXHAUSTED at once")
     max_queue_requests: int = _opt(4096, "queued sequences beyond which calls get RESOURCE_EXHAUSTED at once")
+    pipeline: str = _opt("auto", "auto | on | off: prepare the next batch while the device runs this one "
+                                 "(auto = on for cuda, off for cpu)")
     # Per-call limits
     max_sequences_per_call: int = _opt(64, "most sequences in one Encode call")
     max_tokens_per_call: int = _opt(32768, "most tokens (all sequences together) in one Encode call")

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from service.config import ServiceConfig
 from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
 from service.metrics import Metrics
-from service.runner import Job, Runner, default_batch_tokens
+from service.runner import Job, Launched, Runner, default_batch_tokens
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
 
@@ -71,7 +72,7 @@ class Server:
             max_queue_tokens=config.max_queue_tokens, max_queue_requests=config.max_queue_requests,
         )
         self.batcher: Batcher[Job] = Batcher(self._execute, limits, observer=self.metrics,
-                                             admit_delay_s=self.hooks.after_admit)
+                                             admit_delay_s=self.hooks.after_admit, pipeline=self)
         self.servicer = AttentionServicer(config, self.batcher, self.state, self.metrics)
         interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
         tokens = load_tokens(config)
@@ -112,10 +113,28 @@ class Server:
         self._httpd: Any = None
         self._startup: asyncio.Task[None] | None = None
 
+    # The batcher's model thread calls these (service/batcher.py `Pipeline`); the batcher exists before
+    # the runner is loaded, so they go through the server, with the fault hooks in place.
+
     def _execute(self, jobs: list[Job]) -> Any:
         assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
         self.hooks.pause("after_dequeue")
         result = self.runner.execute(jobs)
+        self.hooks.pause("before_scatter")
+        return result
+
+    @property
+    def pipelined(self) -> bool:
+        return self.runner is not None and self.runner.pipelined
+
+    def launch(self, jobs: list[Job]) -> Launched:
+        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
+        self.hooks.pause("after_dequeue")
+        return self.runner.launch(jobs)
+
+    def finish(self, launched: Launched) -> tuple[Sequence[Any], float]:
+        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
+        result = self.runner.finish(launched)
         self.hooks.pause("before_scatter")
         return result
 

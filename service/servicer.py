@@ -152,7 +152,10 @@ class AttentionServicer:
         )
         try:
             async with asyncio.timeout(remaining):
-                done = await asyncio.gather(*(item.future for item in items))
+                # One sequence (the common call) awaits its future directly: gather() would add a
+                # callback and a loop iteration between the model thread's answer and this task.
+                done = [await items[0].future] if len(items) == 1 else await asyncio.gather(
+                    *(item.future for item in items))
         except TimeoutError:
             raise DeadlineExceeded("deadline exceeded") from None
         finally:
