@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
-.PHONY: venv run test test-fast proto lint typecheck check bench bench-model system-deps clean
+.PHONY: venv run test test-fast proto lint typecheck check bench bench-model gpu-check gpu-wheels system-deps clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,24 @@ bench-model: $(STAMP)  ## the model's in-process ceiling (bench/RESULTS.md)
 
 bench: $(STAMP)  ## the service against its ceiling (bench/RESULTS.md)
 	$(BIN)/python -m bench.service_bench
+
+# Not on .venv: its torch is the CPU build. GPU_PYTHON is a python whose torch has CUDA (see bench/gpu_check.py).
+GPU_PYTHON ?= python3
+gpu-check:  ## CUDA tests, model ceiling and service under load on a GPU, <= 8 min; results under $OUT
+	$(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# What the H200 machines' python3 (3.12, CUDA torch, no network) lacks for gpu-check, pinned as requirements*.txt
+# (tests/test_gpu_check.py checks that); carried there as .whl/ (bench/gpu_check.py's docstring has the command).
+GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
+	protobuf==7.36.2 googleapis-common-protos==1.76.0 prometheus-client==0.26.0 pytest==9.2.0 pluggy==1.7.0 \
+	iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 hypothesis==6.170.17
+gpu-wheels: $(STAMP)  ## download into .whl/ the wheels gpu-check needs on the H200 machines (about 8 MB)
+	rm -rf .whl
+	$(BIN)/pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+	  -d .whl $(GPU_WHEELS)
+	ls .whl
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
