@@ -1,14 +1,17 @@
 """The service against its own ceiling, measured in one run on one machine (`make bench`).
 
 1. The ceiling: the bundle called in process (no gRPC), at its best batch size, with the threads and
-   precision the server uses: fixed-length batches, and length-sorted batches of the mixed workload.
-   Also the batch-1 latency, the bar for concurrency 1.
+   precision the server uses: fixed-length batches, and length-sorted batches of the mixed workload at
+   the best token budget. Also the batch-1 latency, the bar for concurrency 1. The search runs once;
+   then each load run's bar is measured again right before and right after it, and the target rows
+   run `--rounds` times (this shared machine's forward time drifts by +-30% between minutes).
 2. The service: `python -m service` in a subprocess on 127.0.0.1, under closed-loop load from this
    process (client/bench.py: grpc.aio callers, one call in flight each, requests serialized up front),
    at several concurrencies, fixed and mixed lengths, batching on and off, fp32 (and bf16 with --bf16).
 3. A table with the ratios the performance issue sets as targets, JSON, and two plots.
 
-Bounded: every load run has a fixed duration; the whole default run takes about 6 minutes on 2 cores.
+Bounded: every load run has a fixed duration; the whole default run takes about 10 minutes on 2 cores
+(`--quick`: about 1.5 minutes).
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.server_process import ServerProcess
 from client.bench import BenchReport, run_load
 from model.bundle import load_bundle
 from model.default import ensure_default_bundle
@@ -60,76 +62,55 @@ def _time(fn: Any, reps: int) -> float:
     return float(np.median(times))
 
 
-def measure_ceiling(bundle: Path, precision: str, max_batch_size: int, seed: int = 0) -> Ceiling:
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    module = load_bundle(bundle, dtype=dtype).module
-    vocab = 8192
-    rng = np.random.default_rng(seed)
+class InProcess:
+    """The bundle called in process (no gRPC): the ceiling. `search()` finds the best batch size (fixed
+    lengths) and token budget (length-sorted mixed lengths) once; `measure()` then re-measures just the
+    bar for one load run, so it can be taken right before and right after that run."""
 
-    def forward(lengths: list[int]) -> None:
+    def __init__(self, bundle: Path, precision: str, max_batch_size: int, seed: int = 0) -> None:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.precision = precision
+        self._module = load_bundle(bundle, dtype=dtype).module
+        self._rng = np.random.default_rng(seed)
+        self._max_batch_size = max_batch_size
+        self._mixed = sorted(int(n) for n in self._rng.integers(MIXED[0], MIXED[1] + 1, 256))
+        self.best_batch, self.best_budget = 16, 2048
+
+    def forward(self, lengths: list[int]) -> None:
         B, T = len(lengths), max(lengths)
-        ids = torch.from_numpy(rng.integers(0, vocab, (B, T)))
+        ids = torch.from_numpy(self._rng.integers(0, 8192, (B, T)))
         with torch.inference_mode():
-            module(ids, None, torch.tensor(lengths), False, [])[0].float().cpu()
+            self._module(ids, None, torch.tensor(lengths), False, [])[0].float().cpu()
 
-    fixed = {}
-    for batch in (1, 8, 16, 32, 64):
-        if batch > max_batch_size:
-            continue
-        seconds = _time(lambda b=batch: forward([FIXED[0]] * b), reps=3 if batch > 8 else 5)
-        fixed[batch] = batch / seconds
-    best_batch = max(fixed, key=fixed.__getitem__)
-    batch1_fixed = 1e3 / fixed[1]
+    def _sorted_batches(self, budget: int) -> list[list[int]]:
+        batches: list[list[int]] = [[]]
+        for n in self._mixed:  # ascending: each batch pads to its last (longest) item
+            if batches[-1] and ((len(batches[-1]) + 1) * n > budget or len(batches[-1]) == self._max_batch_size):
+                batches.append([])
+            batches[-1].append(n)
+        return batches
 
-    mixed_lengths = sorted(int(n) for n in rng.integers(MIXED[0], MIXED[1] + 1, 256))
-    mixed = {}
-    for budget in (4096, 8192, 16384):
-        batches, current = [], []
-        for n in mixed_lengths:  # sorted ascending: each batch pads to its last (longest) item
-            if current and ((len(current) + 1) * n > budget or len(current) == max_batch_size):
-                batches.append(current)
-                current = []
-            current.append(n)
-        batches.append(current)
-        seconds = _time(lambda bs=batches: [forward(b) for b in bs], reps=1)
-        mixed[budget] = len(mixed_lengths) / seconds
-    best_budget = max(mixed, key=mixed.__getitem__)
-    sample = mixed_lengths[:: len(mixed_lengths) // 16]
-    batch1_mixed = 1e3 * _time(lambda: [forward([n]) for n in sample], reps=3) / len(sample)
-    return Ceiling(precision, fixed[best_batch], best_batch, mixed[best_budget], best_budget, batch1_fixed,
-                   batch1_mixed)
+    def search(self) -> Ceiling:
+        fixed = {b: b / _time(lambda b=b: self.forward([FIXED[0]] * b), reps=3 if b > 8 else 5)
+                 for b in (1, 8, 16, 32, 64) if b <= self._max_batch_size}
+        self.best_batch = max(fixed, key=fixed.__getitem__)
+        mixed = {budget: self._mixed_seq_s(budget) for budget in (2048, 4096, 8192, 16384)}
+        self.best_budget = max(mixed, key=mixed.__getitem__)
+        return Ceiling(self.precision, fixed[self.best_batch], self.best_batch, mixed[self.best_budget],
+                       self.best_budget, 1e3 / fixed[1], self.measure(MIXED, 1))
 
+    def measure(self, lengths: tuple[int, int], concurrency: int) -> float:
+        """The bar for one load run: batch-1 latency in ms at concurrency 1, else sequences/s."""
+        if concurrency == 1:
+            sample = [FIXED[0]] * 8 if lengths == FIXED else self._mixed[:: len(self._mixed) // 16]
+            return 1e3 * _time(lambda: [self.forward([n]) for n in sample], reps=3) / len(sample)
+        if lengths == FIXED:
+            return self.best_batch / _time(lambda: self.forward([FIXED[0]] * self.best_batch), reps=5)
+        return self._mixed_seq_s(self.best_budget)
 
-class ServerProcess:
-    """`python -m service` on 127.0.0.1 with a ready file; SIGTERM on exit."""
-
-    def __init__(self, bundle: Path, *flags: str) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="bench-")
-        ready = Path(self._dir.name) / "ready.json"
-        self._log = open(Path(self._dir.name) / "server.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--port", "0", "--metrics-port", "-1", "--model", str(bundle),
-             "--ready-file", str(ready), "--log-level", "warning", *flags],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 300
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start: {(Path(self._dir.name) / 'server.log').read_text()}")
-            time.sleep(0.1)
-        self.target = f"127.0.0.1:{json.loads(ready.read_text())['port']}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        self._dir.cleanup()
+    def _mixed_seq_s(self, budget: int) -> float:
+        batches = self._sorted_batches(budget)
+        return len(self._mixed) / _time(lambda: [self.forward(b) for b in batches], reps=1)
 
 
 def run_one(target: str, concurrency: int, lengths: tuple[int, int], duration: float, warmup: float) -> BenchReport:
@@ -148,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads for the ceiling and the server (0 = the server's default)")
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for the server (repeat)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each target row (batching on, lowest and highest concurrency); medians count")
     args = parser.parse_args(argv)
     if args.quick:
-        args.duration, args.warmup, args.concurrency = 3.0, 1.0, [1, 64]
+        args.duration, args.warmup, args.concurrency, args.rounds = 3.0, 1.0, [1, 64], 1
     args.out.mkdir(parents=True, exist_ok=True)
     bundle = ensure_default_bundle(Path(tempfile.gettempdir()) / "attention-bench-cache")
     max_batch_size = 64
@@ -161,16 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     precisions = ["fp32", "bf16"] if args.bf16 else ["fp32"]
     arms = [(p, True) for p in precisions] + ([] if args.quick else [("fp32", False)])
-    # This machine is shared: the same forward varies by +-30% from one minute to the next. So the
-    # ceiling is measured again right before each arm, and each arm is compared with its own.
-    ceilings: dict[str, Ceiling] = {}
-    all_ceilings: list[Ceiling] = []
+    # This machine is shared: the same forward varies by +-30% from one minute to the next. So the bar of
+    # every load run is measured in process right before and right after it (the mean counts), and the
+    # target rows (batching on, the lowest and highest concurrency) run --rounds times: read the medians.
+    roofs: dict[str, InProcess] = {}
+    searched: list[Ceiling] = []
     results: list[dict[str, Any]] = []
     for precision, batching in arms:
-        print(f"ceiling {precision} ...", flush=True)
-        ceilings[precision] = measure_ceiling(bundle, precision, max_batch_size)
-        all_ceilings.append(ceilings[precision])
-        print(f"  {ceilings[precision]}", flush=True)
+        if precision not in roofs:
+            print(f"ceiling search {precision} ...", flush=True)
+            roofs[precision] = InProcess(bundle, precision, max_batch_size)
+            searched.append(roofs[precision].search())
+            print(f"  {searched[-1]}", flush=True)
+        roof, ceiling = roofs[precision], next(c for c in searched if c.precision == precision)
         flags = ["--precision", precision, "--max-batch-size", str(max_batch_size if batching else 1),
                  "--torch-threads", str(threads), *args.server_flag]
         server = ServerProcess(bundle, *flags)
@@ -179,25 +165,29 @@ def main(argv: list[str] | None = None) -> int:
                 for concurrency in args.concurrency:
                     if not batching and concurrency == 1:
                         continue  # the same as batching on at concurrency 1
-                    report = run_one(server.target, concurrency, lengths, args.duration, args.warmup)
-                    ceiling = ceilings[precision]
-                    roof = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
-                    base = ceiling.batch1_ms_fixed if lengths == FIXED else ceiling.batch1_ms_mixed
-                    row = {"precision": precision, "batching": batching, "lengths": list(lengths),
-                           "ceiling_seq_s": roof, "ratio": report.sequences_per_s / roof, "batch1_ms": base,
-                           **report.to_dict(samples=True)}
-                    results.append(row)
-                    print(_line(row), flush=True)
+                    target = batching and concurrency in (min(args.concurrency), max(args.concurrency))
+                    for round_ in range(args.rounds if target else 1):
+                        before = roof.measure(lengths, concurrency)
+                        report = run_one(server.target, concurrency, lengths, args.duration, args.warmup)
+                        after = roof.measure(lengths, concurrency)
+                        bar = (before + after) / 2
+                        best = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
+                        best1 = ceiling.batch1_ms_fixed if lengths == FIXED else ceiling.batch1_ms_mixed
+                        roof_seq_s = best if concurrency == 1 else bar
+                        row = {"precision": precision, "batching": batching, "lengths": list(lengths),
+                               "round": round_, "bar": [before, after], "ceiling_seq_s": roof_seq_s,
+                               "ratio": report.sequences_per_s / roof_seq_s,
+                               "batch1_ms": bar if concurrency == 1 else best1, **report.to_dict(samples=True)}
+                        results.append(row)
+                        print(_line(row), flush=True)
         finally:
             server.stop()
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
-    print("ceiling after the runs ...", flush=True)
-    all_ceilings.append(measure_ceiling(bundle, precisions[0], max_batch_size))
-    payload = {"meta": meta, "ceilings": [vars(c) for c in all_ceilings], "runs": results}
+    payload = {"meta": meta, "ceilings": [vars(c) for c in searched], "runs": results}
     (args.out / "service_bench.json").write_text(json.dumps(payload, indent=1))
-    table = markdown(meta, all_ceilings, results)
+    table = markdown(meta, searched, results)
     (args.out / "service_bench.md").write_text(table)
     plot(results, args.out)
     print(table)
@@ -226,40 +216,67 @@ def _machine() -> str:
 
 def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[str, Any]]) -> str:
     lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads; "
-             f"`{meta['command']}`", "", "Ceilings, measured before each arm and once after the last (in order):", "",
-             "| ceiling (in process) | fixed 128 seq/s (batch) | mixed 16..256 seq/s "
-             "(budget) | batch-1 ms fixed / mixed |", "|---|---|---|---|"]
+             f"`{meta['command']}`", "", "The ceiling search (in process, once per precision, at the start):", "",
+             "| precision | fixed 128 seq/s (best batch) | mixed 16..256 seq/s (best budget) "
+             "| batch-1 ms fixed / mixed |",
+             "|---|---|---|---|"]
     for c in ceilings:
         lines.append(f"| {c.precision} | {c.fixed_seq_s:.1f} ({c.fixed_best_batch}) | {c.mixed_seq_s:.1f} "
                      f"({c.mixed_best_budget}) | {c.batch1_ms_fixed:.2f} / {c.batch1_ms_mixed:.2f} |")
-    lines += ["", "| precision | batching | lengths | conc. | seq/s | tokens/s | of ceiling | p50 ms | p90 ms | "
-              "p99 ms | p99/p50 | queue ms | compute ms | batch | padding | errors | loadgen CPU s/s |",
-              "|" + "---|" * 17]
+    lines += ["", "Every run below has its bar measured in process right before and right after it (seq/s; "
+              "batch-1 ms at concurrency 1); `of ceiling` is against their mean (at concurrency 1, against the "
+              "search's best).", "",
+              "| precision | batching | lengths | conc. | seq/s | tokens/s | bar before / after | of ceiling "
+              "| p50 ms | p90 ms | p99 ms | p99/p50 | queue ms | compute ms | batch | padding | errors "
+              "| loadgen CPU s/s |",
+              "|" + "---|" * 18]
     for r in results:
         lat, srv = r["latency_ms"], r["server"]
-        lengths = "x".join(map(str, r["lengths"])) if r["lengths"][0] != r["lengths"][1] else str(r["lengths"][0])
+        low, high = r["lengths"]
+        lengths = f"{low}..{high}" if low != high else str(low)
+        unit = " ms" if r["concurrency"] == 1 else ""
         lines.append(
-            f"| {r['precision']} | {'on' if r['batching'] else 'off'} | {lengths.replace('x', '..')} | "
-            f"{r['concurrency']} | {r['sequences_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['ratio']:.2f} | "
-            f"{lat['p50']:.1f} | {lat['p90']:.1f} | {lat['p99']:.1f} | {lat['p99'] / lat['p50']:.2f} | "
+            f"| {r['precision']} | {'on' if r['batching'] else 'off'} | {lengths} | {r['concurrency']} | "
+            f"{r['sequences_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['bar'][0]:.1f} / {r['bar'][1]:.1f}{unit} | "
+            f"{r['ratio']:.2f} | {lat['p50']:.1f} | {lat['p90']:.1f} | {lat['p99']:.1f} | "
+            f"{lat['p99'] / lat['p50']:.2f} | "
             f"{srv['queue_ms']:.1f} | {srv['compute_ms']:.1f} | {srv['batch_size']:.1f} | "
             f"{srv['padding_ratio']:.2f} | {sum(r['errors'].values())} | {r['client_cpu']:.2f} |")
-    lines += ["", "Targets (issue 6), each run against the ceiling measured just before its arm:"]
-    for r in results:
-        if not r["batching"]:
-            continue
-        precision, fixed = r["precision"], r["lengths"] == list(FIXED)
-        if r["concurrency"] == 64:
-            bar = 0.85 if fixed else 0.80
-            lines.append(f"- {precision} {'fixed' if fixed else 'mixed'} c64 throughput ratio "
-                         f"{r['ratio']:.2f} (target >= {bar}); p99/p50 "
-                         f"{r['latency_ms']['p99'] / r['latency_ms']['p50']:.2f} (target <= 2)")
-        if r["concurrency"] == 1:
-            lines.append(f"- {precision} {'fixed' if fixed else 'mixed'} c1 p50 {r['latency_ms']['p50']:.2f} ms "
-                         f"vs in-process batch-1 {r['batch1_ms']:.2f} ms + 1.5 (overhead "
-                         f"{r['latency_ms']['p50'] - r['batch1_ms']:+.2f} ms; server-side compute "
-                         f"{r['server']['compute_ms']:.2f} ms)")
+    lines += ["", "Targets (issue 6): medians over the rounds, each round against its own bar:"]
+    for key, rows in _target_rows(results).items():
+        precision, lengths, concurrency = key
+        name = f"{precision} {'fixed' if lengths == FIXED else 'mixed'} c{concurrency}"
+        if concurrency == 1:
+            over = [r["latency_ms"]["p50"] - r["batch1_ms"] for r in rows]
+            compute = [r["server"]["compute_ms"] for r in rows]
+            lines.append(f"- {name}: p50 minus in-process batch-1 latency {_median_of(over, '+.2f')} ms "
+                         f"(target <= +1.5 ms); server-side compute {_median_of(compute, '.2f')} ms, "
+                         f"in-process batch-1 {_median_of([r['batch1_ms'] for r in rows], '.2f')} ms")
+        else:
+            bar = 0.85 if lengths == FIXED else 0.80
+            lines.append(f"- {name}: throughput {_median_of([r['ratio'] for r in rows], '.2f')} of the ceiling "
+                         f"(target >= {bar}); p99/p50 "
+                         f"{_median_of([r['latency_ms']['p99'] / r['latency_ms']['p50'] for r in rows], '.2f')} "
+                         "(target <= 2)")
     return "\n".join(lines) + "\n"
+
+
+def _target_rows(results: list[dict[str, Any]]) -> dict[tuple[str, tuple[int, int], int], list[dict[str, Any]]]:
+    """Rows of the target runs (batching on; the lowest and highest concurrency), grouped by arm."""
+    if not results:
+        return {}
+    low, high = min(r["concurrency"] for r in results), max(r["concurrency"] for r in results)
+    groups: dict[tuple[str, tuple[int, int], int], list[dict[str, Any]]] = {}
+    for r in results:
+        if r["batching"] and r["concurrency"] in (low, high):
+            groups.setdefault((r["precision"], tuple(r["lengths"]), r["concurrency"]), []).append(r)
+    return groups
+
+
+def _median_of(values: list[float], fmt: str) -> str:
+    """'median (each, ...)' or just the value when there is one."""
+    each = ", ".join(format(v, fmt) for v in values)
+    return format(float(np.median(values)), fmt) + (f" ({each})" if len(values) > 1 else "")
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> None:
@@ -271,14 +288,18 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     arms = sorted({(r["precision"], r["batching"], tuple(r["lengths"])) for r in results})
     for precision, batching, lengths in arms:
-        rows = sorted((r for r in results if (r["precision"], r["batching"], tuple(r["lengths"])) ==
-                       (precision, batching, lengths)), key=lambda r: r["concurrency"])
+        rows = [r for r in results
+                if (r["precision"], r["batching"], tuple(r["lengths"])) == (precision, batching, lengths)]
+        levels = sorted({r["concurrency"] for r in rows})
         label = f"{precision} {'batching' if batching else 'no batching'} {lengths[0]}..{lengths[1]}"
-        ax.plot([r["concurrency"] for r in rows], [r["sequences_per_s"] for r in rows], marker="o", label=label)
+        ax.plot(levels, [np.median([r["sequences_per_s"] for r in rows if r["concurrency"] == c]) for c in levels],
+                marker="o", label=label)
         if batching:
-            ax.axhline(rows[0]["ceiling_seq_s"], linestyle=":", linewidth=1, color=ax.lines[-1].get_color())
+            bars = [r["ceiling_seq_s"] for r in rows if r["concurrency"] > 1]
+            ax.axhline(float(np.median(bars or [rows[0]["ceiling_seq_s"]])), linestyle=":", linewidth=1,
+                       color=ax.lines[-1].get_color())
     ax.set(xscale="log", xlabel="concurrency (closed loop)", ylabel="sequences / s",
-           title="Throughput vs concurrency (dotted: in-process ceiling)")
+           title="Throughput vs concurrency (medians; dotted: in-process ceiling)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=120)
@@ -286,7 +307,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        if r["concurrency"] != max(x["concurrency"] for x in results) or not r.get("samples_ms"):
+        if r["concurrency"] != max(x["concurrency"] for x in results) or r["round"] or not r.get("samples_ms"):
             continue
         samples = np.sort(np.asarray(r["samples_ms"]))
         ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples),
