@@ -43,6 +43,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
@@ -53,6 +54,7 @@ from service.window import choose_batch, pool_size
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ class Batcher(Generic[P]):
         self._busy = False
         self._running: list[Item[P]] = []  # the items of the batches in flight (one, or two pipelined)
         self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
+        self._calls: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()  # see call()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -170,6 +173,21 @@ class Batcher(Generic[P]):
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread.start()
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the model thread, between batches, and return what it returns (or raise what it
+        raises). For the model's setup (load, warm-up): every forward then runs on one thread. With
+        OpenMP (PyTorch on CPU), each thread that runs a parallel region gets a team of worker threads,
+        and once there are more of those than cores libgomp stops its workers spinning between regions:
+        a second torch thread made a 1 x 128 forward about 30% slower (bench/RESULTS.md)."""
+        assert self._loop is not None, "Batcher.start() was not called. This is a bug."
+        future: asyncio.Future[T] = self._loop.create_future()
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("server shutting down")
+            self._calls.append((fn, future))
+            self._cond.notify()
+        return await future
 
     def submit(self, requests: Sequence[Request[P]], deadline: float) -> list[Item[P]]:
         """Admit all `requests` of one call (or raise `Overloaded`/`ShuttingDown`); returns their items."""
@@ -316,6 +334,8 @@ class Batcher(Generic[P]):
             while True:
                 if self._stopping:
                     return None
+                if wait and self._calls:
+                    return []  # the caller runs them first (_run_calls)
                 now = self._clock()
                 expired = self._take_expired(now)
                 if expired:
@@ -348,7 +368,11 @@ class Batcher(Generic[P]):
             if flight is None:
                 batch = self._next_batch()
                 if batch is None:
+                    self._fail_calls()
                     return
+                if not batch:
+                    self._run_calls()
+                    continue
                 if self._pipeline is not None and self._pipeline.pipelined:
                     flight = self._launch(batch)
                 else:
@@ -362,6 +386,23 @@ class Batcher(Generic[P]):
                 following = self._launch(batch)
             self._finish(flight)
             flight = following
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                fn, future = self._calls.popleft()
+            try:
+                outcome = fn()
+            except Exception as exc:  # noqa: BLE001 - the caller of call() gets it
+                outcome = exc
+            self._settle_all([(future, outcome)])
+
+    def _fail_calls(self) -> None:
+        with self._cond:
+            calls, self._calls = list(self._calls), deque()
+        self._settle_all([(future, ShuttingDown("server shutting down")) for _, future in calls])
 
     def _run_batch(self, batch: list[Item[P]]) -> None:
         started = self._clock()
@@ -429,7 +470,7 @@ class Batcher(Generic[P]):
             outcomes = [(item.future, error) for item in batch]
         return outcomes
 
-    def _settle_all(self, outcomes: list[tuple[asyncio.Future[Done], Any]]) -> None:
+    def _settle_all(self, outcomes: Sequence[tuple[asyncio.Future[Any], Any]]) -> None:
         if outcomes and self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(_settle_many, outcomes)
@@ -437,7 +478,7 @@ class Batcher(Generic[P]):
                 pass
 
 
-def _settle(future: asyncio.Future[Done], outcome: Any) -> None:
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
     if future.done():
         return
     if isinstance(outcome, BaseException):
@@ -447,7 +488,7 @@ def _settle(future: asyncio.Future[Done], outcome: Any) -> None:
         future.set_result(outcome)
 
 
-def _settle_many(outcomes: list[tuple[asyncio.Future[Done], Any]]) -> None:
+def _settle_many(outcomes: Sequence[tuple[asyncio.Future[Any], Any]]) -> None:
     for future, outcome in outcomes:
         _settle(future, outcome)
 

@@ -162,12 +162,13 @@ class Server:
         await self.hooks.apause("before_ready")
         bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
         runner = Runner(config, bundle_dir, self.metrics)
-        spec = await asyncio.to_thread(runner.load)
+        # On the model thread, like every forward after them: one thread runs torch (Batcher.call).
+        spec = await self.batcher.call(runner.load)
         if spec.max_length > self.max_batch_tokens:
             raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is below the model's "
                              f"max_length ({spec.max_length}): a longest sequence could never be batched")
         if config.warmup:
-            await asyncio.to_thread(runner.warmup, self.max_batch_tokens, config.max_batch_size)
+            await self.batcher.call(lambda: runner.warmup(self.max_batch_tokens, config.max_batch_size))
         self.runner = runner
         self.metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
         self.state.spec = spec

@@ -334,3 +334,33 @@ def test_choose_batch_is_fifo_for_equal_lengths():
     limits = BatchLimits(max_batch_tokens=300, max_batch_size=64, pool_batches=4, max_age_ms=1e9)
     ages = [5.0 - i * 0.1 for i in range(10)]
     assert choose_batch([100] * 10, ages, limits) == [0, 1, 2]
+
+
+async def test_call_runs_on_the_model_thread_between_batches(model_and_batcher):
+    model, batcher = model_and_batcher()
+    first = await hold(model, batcher)
+    queued = batcher.submit([req(5)], far())[0]
+    seen: list[tuple[str, int]] = []
+    call = asyncio.ensure_future(batcher.call(lambda: seen.append((threading.current_thread().name,
+                                                                    len(model.batches))) or 42))
+    await asyncio.sleep(0.05)
+    assert not call.done()  # the model thread is busy with the held batch
+    model.gate.set()
+    assert await call == 42
+    await asyncio.gather(first, queued.future)
+    assert seen == [("model-runner", 1)]  # after the running batch, before the queued one
+    assert model.batches[1:] == [[5]]
+
+
+async def test_call_raises_what_the_function_raised_and_the_loop_lives_on(model_and_batcher):
+    model, batcher = model_and_batcher()
+
+    def boom() -> None:
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        await batcher.call(boom)
+    assert (await batcher.submit([req(3)], far())[0].future).output == 6
+    await batcher.aclose()
+    with pytest.raises(ShuttingDown):
+        await batcher.call(lambda: None)

@@ -277,3 +277,23 @@ async def test_not_serving_until_warm_then_serving(start_server, tmp_path):
     assert await health_status(s.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     info_ = await s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info_.name, info_.d_model, info_.n_layers, info_.max_length) == ("attention-reference", 256, 4, 512)
+
+
+async def test_the_model_is_loaded_and_warmed_on_the_thread_that_runs_every_forward(start_server, monkeypatch):
+    # One thread runs torch: a second OpenMP master made small forwards ~30% slower (Batcher.call).
+    import threading
+
+    from service.runner import Runner
+
+    threads: dict[str, str] = {}
+    for name in ("load", "warmup", "execute"):
+        original = getattr(Runner, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            threads[_name] = threading.current_thread().name
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Runner, name, spy)
+    s = await start_server()
+    await s.stub.Encode(ids_request(np.arange(5)), timeout=10)
+    assert threads == {"load": "model-runner", "warmup": "model-runner", "execute": "model-runner"}
