@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from model.config import TINY, EncoderConfig
-from model.encoder import MultiHeadAttention
+from model.encoder import Encoder, MultiHeadAttention
 
 
 def tiny(**changes: object) -> EncoderConfig:
@@ -69,3 +69,25 @@ def batch(config: EncoderConfig, lengths: list[int], seed: int = 0, T: int | Non
 def rel_err(got: Tensor, want: Tensor) -> float:
     """max |got - want| / max |want|: the reduced-precision measure in encoder.py's docstring."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def max_errors(config: EncoderConfig, dtype: torch.dtype, lengths: list[int], causal: bool, *, seed: int = 0,
+               device: str = "cpu") -> tuple[float, float]:
+    """(relative error of hidden states, absolute error of weights) of `dtype` against fp32 on `device`,
+    both attention paths (SDPA, and the explicit one that returns weights), real positions only."""
+    fp32 = Encoder(config).init_weights(seed).eval().to(device)
+    low = Encoder(config).init_weights(seed).eval().to(device, dtype)
+    ids, lengths_t = batch(config, lengths, seed=seed)
+    ids, lengths_t = ids.to(device), lengths_t.to(device)
+    real = torch.arange(ids.shape[1], device=device)[None, :] < lengths_t[:, None]
+    hidden_err = weight_err = 0.0
+    with torch.inference_mode():
+        for layers in ([], list(range(config.n_layers))):
+            want, want_w = fp32(ids, None, lengths_t, causal, layers)
+            got, got_w = low(ids, None, lengths_t, causal, layers)
+            assert got.dtype == dtype and torch.isfinite(got).all()
+            hidden_err = max(hidden_err, rel_err(got[real], want[real]))
+            if layers:
+                assert got_w is not None and want_w is not None and got_w.dtype == torch.float32
+                weight_err = max(weight_err, float((got_w - want_w).abs().max()))
+    return hidden_err, weight_err

@@ -37,7 +37,7 @@ from model.config import REFERENCE, EncoderConfig
 from model.encoder import Encoder
 from tests import conftest
 from tests.conftest import ids_request
-from tests.model_helpers import batch, key_mask, rel_err, tiny
+from tests.model_helpers import batch, key_mask, max_errors, rel_err, tiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,28 +51,6 @@ BOUND = {torch.float32: 1e-4, torch.bfloat16: RELATIVE_ERROR_BOUND["bfloat16"],
 OOM_CONFIG = EncoderConfig(d_model=256, n_heads=4, n_layers=1, d_ff=65536, vocab_size=1000, max_length=512)
 
 
-def _errors(config: EncoderConfig, dtype: torch.dtype, lengths: list[int], causal: bool, seed: int = 0
-            ) -> tuple[float, float]:
-    """(relative error of hidden states, absolute error of weights) of `dtype` vs fp32, both on CUDA,
-    both attention paths, real positions only (tests/test_model_numerics.py's measure, on the GPU)."""
-    fp32 = Encoder(config).init_weights(seed).eval().to(CUDA)
-    low = Encoder(config).init_weights(seed).eval().to(CUDA, dtype)
-    ids, lengths_t = batch(config, lengths, seed=seed)
-    ids, lengths_t = ids.to(CUDA), lengths_t.to(CUDA)
-    real = torch.arange(ids.shape[1], device=CUDA)[None, :] < lengths_t[:, None]
-    hidden_err = weight_err = 0.0
-    with torch.inference_mode():
-        for layers in ([], list(range(config.n_layers))):
-            want, want_w = fp32(ids, None, lengths_t, causal, layers)
-            got, got_w = low(ids, None, lengths_t, causal, layers)
-            assert got.dtype == dtype and torch.isfinite(got).all()
-            hidden_err = max(hidden_err, rel_err(got[real], want[real]))
-            if layers:
-                assert got_w is not None and want_w is not None and got_w.dtype == torch.float32
-                weight_err = max(weight_err, float((got_w - want_w).abs().max()))
-    return hidden_err, weight_err
-
-
 @pytest.mark.parametrize("dtype", REDUCED, ids=str)
 @pytest.mark.parametrize("config, lengths", [
     (tiny(), [48, 20, 5, 1]),
@@ -81,7 +59,7 @@ def _errors(config: EncoderConfig, dtype: torch.dtype, lengths: list[int], causa
 ], ids=["tiny-post-ln", "tiny-pre-ln-gelu", "reference"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_reduced_precision_within_the_cpu_bounds_on_cuda(dtype, config, lengths, causal):
-    hidden_err, weight_err = _errors(config, dtype, lengths, causal)
+    hidden_err, weight_err = max_errors(config, dtype, lengths, causal, device=CUDA)
     assert hidden_err <= BOUND[dtype], f"{dtype} hidden relative error {hidden_err:.4g} > {BOUND[dtype]} on CUDA"
     assert weight_err <= BOUND[dtype], f"{dtype} attention weight error {weight_err:.4g} > {BOUND[dtype]} on CUDA"
     assert hidden_err > 0, "the reduced-precision copy must actually differ from fp32"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from model.bundle import RELATIVE_ERROR_BOUND
 from model.config import REFERENCE, EncoderConfig
 from model.encoder import Encoder
-from tests.model_helpers import batch, rel_err, tiny
+from tests.model_helpers import batch, max_errors, tiny
 
 REDUCED = [torch.bfloat16, torch.float16]
 ALL_DTYPES = [torch.float32, *REDUCED]
@@ -39,30 +39,6 @@ def _skip_unsupported(request: pytest.FixtureRequest) -> None:
         pytest.skip(f"this CPU cannot run {dtype}")
 
 
-def _pair(config: EncoderConfig, seed: int, dtype: torch.dtype) -> tuple[Encoder, Encoder]:
-    return Encoder(config).init_weights(seed).eval(), Encoder(config).init_weights(seed).eval().to(dtype)
-
-
-def _max_errors(config: EncoderConfig, seed: int, dtype: torch.dtype, lengths: list[int], causal: bool
-                ) -> tuple[float, float]:
-    """(relative error of hidden states, absolute error of weights), both paths, real positions only."""
-    fp32, low = _pair(config, seed, dtype)
-    ids, lengths_t = batch(config, lengths, seed=seed)
-    layers = list(range(config.n_layers))
-    hidden_err = weight_err = 0.0
-    with torch.inference_mode():
-        for attn_layers in ([], layers):
-            want, want_w = fp32(ids, None, lengths_t, causal, attn_layers)
-            got, got_w = low(ids, None, lengths_t, causal, attn_layers)
-            assert got.dtype == dtype
-            real = torch.arange(ids.shape[1])[None, :] < lengths_t[:, None]
-            hidden_err = max(hidden_err, rel_err(got[real], want[real]))
-            if attn_layers:
-                assert got_w is not None and want_w is not None and got_w.dtype == torch.float32
-                weight_err = max(weight_err, float((got_w - want_w).abs().max()))
-    return hidden_err, weight_err
-
-
 @pytest.mark.parametrize("dtype", REDUCED, ids=str)
 @pytest.mark.parametrize(
     "config",
@@ -72,7 +48,7 @@ def _max_errors(config: EncoderConfig, seed: int, dtype: torch.dtype, lengths: l
 @pytest.mark.parametrize("causal", [False, True])
 def test_reduced_precision_error_bound_tiny(dtype: torch.dtype, config: EncoderConfig, causal: bool) -> None:
     bound = RELATIVE_ERROR_BOUND[str(dtype).removeprefix("torch.")]
-    hidden_err, weight_err = _max_errors(config, 0, dtype, [48, 20, 5, 1], causal)
+    hidden_err, weight_err = max_errors(config, dtype, [48, 20, 5, 1], causal)
     assert hidden_err <= bound, f"{dtype} hidden relative error {hidden_err:.4g} > {bound}"
     assert weight_err <= bound, f"{dtype} attention weight error {weight_err:.4g} > {bound}"
     assert hidden_err > 0, "the reduced-precision copy must actually differ from fp32"
@@ -81,7 +57,7 @@ def test_reduced_precision_error_bound_tiny(dtype: torch.dtype, config: EncoderC
 @pytest.mark.parametrize("dtype", REDUCED, ids=str)
 def test_reduced_precision_error_bound_reference(dtype: torch.dtype) -> None:
     bound = RELATIVE_ERROR_BOUND[str(dtype).removeprefix("torch.")]
-    hidden_err, weight_err = _max_errors(REFERENCE, 0, dtype, [48, 17, 1], causal=False)
+    hidden_err, weight_err = max_errors(REFERENCE, dtype, [48, 17, 1], causal=False)
     assert hidden_err <= bound and weight_err <= bound, (hidden_err, weight_err)
 
 
@@ -89,7 +65,7 @@ def test_reduced_precision_error_bound_reference(dtype: torch.dtype) -> None:
 @given(seed=st.integers(0, 2**31 - 1), causal=st.booleans(),
        lengths=st.lists(st.integers(1, 40), min_size=1, max_size=4))
 def test_bf16_error_bound_holds_across_seeds(seed: int, causal: bool, lengths: list[int]) -> None:
-    hidden_err, weight_err = _max_errors(tiny(), seed, torch.bfloat16, lengths, causal)
+    hidden_err, weight_err = max_errors(tiny(), torch.bfloat16, lengths, causal, seed=seed)
     assert hidden_err <= RELATIVE_ERROR_BOUND["bfloat16"] and weight_err <= RELATIVE_ERROR_BOUND["bfloat16"]
 
 
