@@ -47,6 +47,8 @@ class WindowLimits(Protocol):
     def pool_batches(self) -> int: ...
     @property
     def max_age_ms(self) -> float: ...
+    @property
+    def max_wait_ms(self) -> float: ...
 
 
 def choose_batch(lengths: Sequence[int], ages: Sequence[float], limits: WindowLimits) -> list[int]:
@@ -62,6 +64,10 @@ def choose_batch(lengths: Sequence[int], ages: Sequence[float], limits: WindowLi
     budget = limits.pool_batches * limits.max_batch_tokens
     n = min(len(length), int(np.searchsorted(np.cumsum(length), budget)) + 1)
     length = length[:n]
+    if limits.max_wait_ms > 0 and n <= limits.max_batch_size and n * int(length.max()) <= limits.max_batch_tokens:
+        # max_wait_ms holds a batch open to grow it (larger batches bought with latency): what it
+        # gathered runs whole. Without it, the scores below may leave a newcomer for the next batch.
+        return [int(i) for i in np.argsort(length, kind="stable")]
     age = np.asarray(ages[:n], dtype=np.float64)
     order = np.argsort(length, kind="stable")
     weight = ((age + AGE_SLACK_S) / (age[0] + AGE_SLACK_S)) ** AGE_POWER + FRESH_WEIGHT

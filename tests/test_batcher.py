@@ -364,3 +364,14 @@ async def test_call_raises_what_the_function_raised_and_the_loop_lives_on(model_
     await batcher.aclose()
     with pytest.raises(ShuttingDown):
         await batcher.call(lambda: None)
+
+
+async def test_a_batch_held_open_by_max_wait_runs_whole_whatever_the_ages(model_and_batcher):
+    # A late, longer item weighs little next to one that waited (service/window.py); held open for it,
+    # the batch still takes both.
+    model, batcher = model_and_batcher(max_wait_ms=300)
+    a = batcher.submit([req(1, length=4)], far())[0]
+    await asyncio.sleep(0.05)
+    b = batcher.submit([req(2, length=12)], far())[0]
+    await asyncio.gather(a.future, b.future)
+    assert model.batches == [[1, 2]]
