@@ -107,8 +107,9 @@ def phase_model(args: argparse.Namespace, deadline: float, record: dict[str, Any
     from bench.model_bench import forward_flops
     from model.bundle import load_bundle, read_manifest
     from service.config import ServiceConfig
+    from service.jobs import POOL_MEAN, Job
     from service.metrics import Metrics
-    from service.runner import DTYPES, POOL_MEAN, Job, Runner
+    from service.runner import DTYPES, Runner
 
     started, cuda = time.monotonic(), args.device == "cuda"
     bundle = preset_bundle(args.preset)

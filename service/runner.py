@@ -35,61 +35,11 @@ import torch
 from model.bundle import load_bundle
 from service.config import ServiceConfig
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
+from service.jobs import POOL_CLS, POOL_MEAN, Job, ModelSpec, Output
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-POOL_NONE, POOL_MEAN, POOL_CLS = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class Job:
-    """One validated sequence and what to compute for it."""
-
-    token_ids: np.ndarray | None  # int64 [T]
-    embeddings: np.ndarray | None  # float32 [T, d_model]
-    causal: bool = False
-    attn_layers: tuple[int, ...] = ()  # non-negative, in the order asked
-    heads_mean: bool = False
-    pooling: int = POOL_NONE
-    return_hidden: bool = True
-
-    @property
-    def length(self) -> int:
-        data = self.token_ids if self.token_ids is not None else self.embeddings
-        assert data is not None
-        return int(data.shape[0])
-
-    @property
-    def key(self) -> tuple[bool, bool, tuple[int, ...]]:
-        """Jobs with equal keys run the same computation and may share a batch."""
-        return (self.token_ids is not None, self.causal, self.attn_layers)
-
-
-@dataclass(frozen=True)
-class Output:
-    hidden: np.ndarray | None  # float32 [T, d_model]
-    pooled: np.ndarray | None  # float32 [d_model]
-    attention: np.ndarray | None  # float32 [L, H or 1, T, T]
-    nonfinite: bool  # the reduced-precision output was non-finite; this is the fp32 re-run
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the service needs to know about the loaded model (from the bundle's manifest)."""
-
-    name: str
-    version: str
-    checksum: str
-    d_model: int
-    n_heads: int
-    n_layers: int
-    vocab_size: int
-    max_length: int
-    positional: str
-    precision: str
-    device: str
-
 
 class RunnerObserver(Protocol):
     def on_forward(self, precision: str, seconds: float) -> None: ...

@@ -35,8 +35,9 @@ from service.batcher import Batcher, BatchLimits
 from service.config import ServiceConfig
 from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
+from service.jobs import Job
 from service.metrics import Metrics
-from service.runner import Job, Launched, Runner, default_batch_tokens
+from service.runner import Launched, Runner, default_batch_tokens
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
 

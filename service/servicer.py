@@ -37,8 +37,8 @@ from service.errors import (
     ServiceError,
     ShuttingDown,
 )
+from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
-from service.runner import Job, ModelSpec, Output
 from service.validation import Plan, validate
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from client.tensors import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtyp
 from proto.attention.v1 import attention_pb2 as pb
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
-from service.runner import Job, ModelSpec
+from service.jobs import Job, ModelSpec
 
 OUTPUT_DTYPES = (pb.DTYPE_UNSPECIFIED, *FLOAT_DTYPES)
 MAX_REQUEST_ID = 128

@@ -224,7 +224,7 @@ async def _real_oom_child(bundle_dir: str) -> dict[str, object]:
     what it holds, then send 8 such sequences that ride in one batch."""
     from prometheus_client import CollectorRegistry
 
-    from service.runner import Job
+    from service.jobs import Job
     from service.server import build_server
 
     T = OOM_CONFIG.max_length

@@ -25,7 +25,8 @@ from model import faults
 from service.batcher import Batcher, BatchLimits, Done, Request
 from service.config import ServiceConfig
 from service.errors import DeadlineExceeded, ModelFailure, NonFiniteOutput, OutOfMemory, ShuttingDown
-from service.runner import POOL_CLS, POOL_MEAN, Job, Launched, Output, Runner
+from service.jobs import POOL_CLS, POOL_MEAN, Job, Output
+from service.runner import Launched, Runner
 from tests import conftest
 
 D_MODEL = 32  # TINY
