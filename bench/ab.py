@@ -1,0 +1,91 @@
+"""A/B two server variants under the same load, in alternating slices, so that this shared machine's
+drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and its median count.
+
+    python -m bench.ab [--lengths 128 128] [--concurrency 64] [--rounds 8] [--seconds 4]
+                       [--a-flag F ...] [--b-flag F ...] [--a-source DIR] [--b-source DIR]
+                       [--a-prelude CODE] [--b-prelude CODE]
+
+A variant is server flags (`--a-flag=--max-batch-tokens=4096`), a source tree (`--a-source`: another
+checkout, e.g. `git worktree add /tmp/old HEAD~1`) and Python run in the server process before it
+starts (`--b-prelude 'import service.window as w; w.AGE_POWER = 0'`, for experiments that have no
+flag). Both servers run at once on 127.0.0.1 (the idle one costs nothing); rounds alternate which
+goes first. Bounded: rounds x 2 x (seconds + 1) plus start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from client.bench import run_load
+from model.default import ensure_default_bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: float = 300) -> tuple[Any, str]:
+    ready = Path(tempfile.mkdtemp(prefix="ab-")) / "ready.json"
+    code = f"import sys\n{prelude}\nfrom service.__main__ import main\nsys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "--port", "0", "--metrics-port", "-1", "--model", str(model),
+         "--ready-file", str(ready), "--log-level", "warning", *flags],
+        cwd=source, env={**os.environ, "PYTHONPATH": str(source)})
+    end = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            raise RuntimeError(f"server ({source}, {flags}) did not start")
+        time.sleep(0.1)
+    return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"))
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per slice (1 s warm-up)")
+    parser.add_argument("--model", type=Path, default=None, help="bundle (default: the built-in reference)")
+    for side in ("a", "b"):
+        parser.add_argument(f"--{side}-flag", action="append", default=[], help="server flag (repeat)")
+        parser.add_argument(f"--{side}-source", type=Path, default=ROOT, help="source tree to run")
+        parser.add_argument(f"--{side}-prelude", default="", help="Python run in the server before it starts")
+    args = parser.parse_args(argv)
+    if not (1 <= args.rounds <= 50 and 0 < args.seconds <= 60):
+        parser.error("--rounds must be in 1..50 and --seconds in (0, 60]")
+    model = args.model or ensure_default_bundle(Path(tempfile.gettempdir()) / "attention-bench-cache")
+    sides = {s: start(model, getattr(args, f"{s}_source"), getattr(args, f"{s}_prelude"), getattr(args, f"{s}_flag"))
+             for s in ("a", "b")}
+    rows: dict[str, list[tuple[float, float, float]]] = {"a": [], "b": []}
+    try:
+        for round_ in range(args.rounds):
+            for side in ("a", "b") if round_ % 2 == 0 else ("b", "a"):
+                r = asyncio.run(run_load(sides[side][1], concurrency=args.concurrency, duration_s=args.seconds,
+                                         warmup_s=1.0, lengths=tuple(args.lengths), seed=round_, pool_size=512))
+                rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"]))
+    finally:
+        for proc, _ in sides.values():
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    for side in ("a", "b"):
+        a = np.asarray(rows[side])
+        print(f"{side.upper()}: seq/s {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "
+              f"p99/p50 {np.median(a[:, 2] / a[:, 1]):.2f}")
+    ratio = np.asarray(rows["b"])[:, 0] / np.asarray(rows["a"])[:, 0]
+    print(f"B/A seq/s per round: {' '.join(f'{x:.3f}' for x in ratio)}; median {np.median(ratio):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
