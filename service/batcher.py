@@ -64,7 +64,7 @@ class BatchLimits:
     max_wait_ms: float = 0.0
     max_age_ms: float = 500.0
     batch_overhead_tokens: int = 128
-    pool_batches: int = 4
+    pool_batches: int = 3
     max_queue_tokens: int = 262144
     max_queue_requests: int = 4096
 

@@ -27,7 +27,7 @@ import numpy as np
 # Steep, so the oldest few items decide which window runs; the weight of a newcomer is FRESH_WEIGHT:
 # above zero, so its work and cost still count, and small next to the oldest's 1 + FRESH_WEIGHT.
 # Chosen with bench/policy_sim.py (RESULTS.md): the tail shrinks most for the throughput it costs.
-AGE_POWER = 4
+AGE_POWER = 6
 FRESH_WEIGHT = 0.01
 # Ages are compared as (age + AGE_SLACK_S): differences of a few milliseconds (the order a burst of
 # calls happened to arrive in) should not decide which of two equally good windows runs.
