@@ -52,6 +52,17 @@ def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 def to_tensor(array: np.ndarray, dtype: int | None = None) -> pb.Tensor:
     """Encode an array; `dtype` (a `DType`) converts it first, e.g. float32 -> FLOAT16/BFLOAT16."""
+    tensor = pb.Tensor()
+    fill_tensor(tensor, array, dtype)
+    return tensor
+
+
+def fill_tensor(tensor: pb.Tensor, array: np.ndarray, dtype: int | None = None) -> None:
+    """Encode an array into `tensor`, a field of a larger message, in place, as `to_tensor` would.
+
+    For responses: `message.field.CopyFrom(to_tensor(...))` copies the data once more, and building
+    the parent from finished submessages copies them again (about 110 us for 128 KiB, 7x this).
+    """
     array = np.asarray(array)
     if dtype is None:
         key = array.dtype.newbyteorder("=")
@@ -64,7 +75,9 @@ def to_tensor(array: np.ndarray, dtype: int | None = None) -> pb.Tensor:
         data = np.ascontiguousarray(array, dtype=_NUMPY_OF[dtype]).tobytes()
     else:
         raise TensorError(f"unsupported tensor dtype {dtype_name(dtype)}")
-    return pb.Tensor(dtype=cast(pb.DType, dtype), shape=array.shape, data=data)
+    tensor.dtype = cast(pb.DType, dtype)
+    tensor.shape[:] = array.shape
+    tensor.data = data
 
 
 def from_tensor(tensor: pb.Tensor) -> np.ndarray:

@@ -305,7 +305,7 @@ class Runner:
         return finite
 
     def _collect(self, pending: _Pending) -> _Result:
-        """Wait for an enqueued forward and report its time."""
+        """Wait for an enqueued forward, report its time, and hand its host tensors over as numpy."""
         seconds = pending.seconds
         if pending.events is not None:
             start, done = pending.events
@@ -313,7 +313,8 @@ class Runner:
             seconds = start.elapsed_time(done) / 1e3  # device time: not the wait behind an earlier batch
         finite = pending.finite.tolist()
         self._observer.on_forward(pending.precision, seconds)
-        return pending.hidden, pending.attention, finite
+        attention = pending.attention.numpy() if pending.attention is not None else None
+        return pending.hidden.numpy(), attention, finite
 
     def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place.
@@ -328,7 +329,9 @@ class Runner:
         return host
 
 
-_Result = tuple[torch.Tensor, torch.Tensor | None, list[bool]]
+# hidden fp32 [B, T, D] and attention fp32 [B, L, H or 1, T, T] on the host (views of the batch's
+# tensors), and per-row finiteness.
+_Result = tuple[np.ndarray, np.ndarray | None, list[bool]]
 
 
 @dataclass(frozen=True)
@@ -364,14 +367,15 @@ def _warm(result: tuple[list[Output | ServiceError], float]) -> None:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
 
 
-def _split(job: Job, hidden: torch.Tensor, attention: torch.Tensor | None, row: int, *, nonfinite: bool) -> Output:
-    """One row of a batch, padding stripped, as numpy."""
+def _split(job: Job, hidden: np.ndarray, attention: np.ndarray | None, row: int, *, nonfinite: bool) -> Output:
+    """One row of a batch, padding stripped. numpy, not torch: indexing a tensor costs about 10x more,
+    once per sequence of every batch."""
     n = job.length
-    h = hidden[row, :n]  # (T, D)
+    h = hidden[row, :n]  # (T, D), a view of the batch
     pooled = None
     if job.pooling == POOL_MEAN:
-        pooled = h.mean(dim=0).numpy()
+        pooled = h.mean(axis=0)
     elif job.pooling == POOL_CLS:
-        pooled = h[0].numpy()
-    att = attention[row, :, :, :n, :n].contiguous().numpy() if attention is not None else None  # (L, H, T, T)
-    return Output(h.numpy() if job.return_hidden else None, pooled, att, nonfinite)
+        pooled = h[0].copy()  # not a view: it would keep the whole batch alive
+    att = np.ascontiguousarray(attention[row, :, :, :n, :n]) if attention is not None else None  # (L, H, T, T)
+    return Output(h if job.return_hidden else None, pooled, att, nonfinite)

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from client.tensors import to_tensor
+from client.tensors import fill_tensor
 from proto.attention.v1 import attention_pb2 as pb
 from service.batcher import Batcher, Done, Request
 from service.config import ServiceConfig
@@ -300,22 +300,21 @@ def _status(exc: ServiceError) -> grpc.Status:
 
 
 def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeResponse:
-    outputs = []
-    for result in done:
-        out: Output = result.output
-        seq = pb.SequenceOutput(nonfinite=out.nonfinite)
-        if out.hidden is not None:
-            seq.hidden.CopyFrom(to_tensor(out.hidden, plan.output_dtype))
-        if out.pooled is not None:
-            seq.pooled.CopyFrom(to_tensor(out.pooled, plan.output_dtype))
-        if out.attention is not None:
-            seq.attention.CopyFrom(to_tensor(out.attention, plan.attention_dtype))
-        outputs.append(seq)
     widest = max(done, key=lambda d: d.batch_size)
-    metadata = pb.ResponseMetadata(
+    response = pb.EncodeResponse(request_id=plan.request_id, metadata=pb.ResponseMetadata(
         queue_us=int(max(d.queue_s for d in done) * 1e6), compute_us=int(max(d.compute_s for d in done) * 1e6),
         batch_size=widest.batch_size, padded_length=widest.padded_length, precision=spec.precision,
         fp32_retry=any(d.output.nonfinite for d in done), device=spec.device, model_name=spec.name,
         model_version=spec.version,
-    )
-    return pb.EncodeResponse(request_id=plan.request_id, outputs=outputs, metadata=metadata)
+    ))
+    for result in done:
+        out: Output = result.output
+        # Filled in place: building submessages and then the response from them copies every tensor twice.
+        seq = response.outputs.add(nonfinite=out.nonfinite)
+        if out.hidden is not None:
+            fill_tensor(seq.hidden, out.hidden, plan.output_dtype)
+        if out.pooled is not None:
+            fill_tensor(seq.pooled, out.pooled, plan.output_dtype)
+        if out.attention is not None:
+            fill_tensor(seq.attention, out.attention, plan.attention_dtype)
+    return response

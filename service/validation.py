@@ -20,6 +20,8 @@ from service.jobs import Job, ModelSpec
 OUTPUT_DTYPES = (pb.DTYPE_UNSPECIFIED, *FLOAT_DTYPES)
 MAX_REQUEST_ID = 128
 MAX_EMBEDDING_ABS = 1e6  # far above any trained embedding; far below where float32 LayerNorm overflows
+_POOLINGS = frozenset(pb.Pooling.values())  # .values() builds a list on every call
+_HEAD_REDUCTIONS = frozenset(pb.HeadReduction.values())
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,9 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
     out, att = request.output, request.attention
     output_dtype = _float_dtype("output.dtype", out.dtype)
     attention_dtype = _float_dtype("attention.dtype", att.dtype)
-    if out.pooling not in pb.Pooling.values():
+    if out.pooling not in _POOLINGS:
         raise InvalidInput("output.pooling", f"unknown value {out.pooling}")
-    if att.heads not in pb.HeadReduction.values():
+    if att.heads not in _HEAD_REDUCTIONS:
         raise InvalidInput("attention.heads", f"unknown value {att.heads}")
     layers = _attention_layers(att, spec, config)
     return_hidden = out.return_hidden if out.HasField("return_hidden") else True
@@ -119,11 +121,11 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     except TensorError as exc:
         raise InvalidInput(field, str(exc)) from None
     if kind == "token_ids":
-        bad = np.flatnonzero((array < 0) | (array >= spec.vocab_size))
-        if bad.size:
-            j = int(bad[0])
+        # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
+        if int(array.view(array.dtype.str.replace("i", "u")).max()) >= spec.vocab_size:
+            j = int(np.flatnonzero((array < 0) | (array >= spec.vocab_size))[0])
             raise InvalidInput(f"{field}[{j}]", f"id {int(array[j])} not in [0, {spec.vocab_size})")
-        return array.astype(np.int64), None
+        return array.astype(np.int64, copy=False), None  # int64 ids stay a view of the request's bytes
     embeddings = array.astype(np.float32)
     if not np.isfinite(embeddings).all():
         raise NonFiniteInput(field, "holds NaN or Inf")

@@ -309,6 +309,23 @@ def test_targets_and_channel_options():
     assert dict(channel_options(extra=[("grpc.keepalive_time_ms", 60_000)]))["grpc.keepalive_time_ms"] == 60_000
 
 
+def test_fill_tensor_writes_in_place_what_to_tensor_builds():
+    # The server fills response fields in place (service/servicer.py); a field filled twice holds
+    # the second array only.
+    from client.tensors import fill_tensor, from_tensor, to_tensor
+    from proto.attention.v1 import attention_pb2 as pb
+
+    rng = np.random.default_rng(0)
+    cases = [(rng.random((5, 3), dtype=np.float32), None), (rng.random(4, dtype=np.float32), pb.DTYPE_BFLOAT16),
+             (np.arange(6), None), (rng.random((2, 2), dtype=np.float32), pb.DTYPE_FLOAT16)]
+    for array, dtype in cases:
+        message = pb.SequenceOutput()
+        fill_tensor(message.hidden, np.zeros((7, 7, 7), np.float32))
+        fill_tensor(message.hidden, array, dtype)
+        assert message.hidden == to_tensor(array, dtype)
+        assert from_tensor(message.hidden).shape == array.shape
+
+
 def test_every_error_class_is_mapped_and_every_code_translates():
     """The httpx pattern: the exception tree and the code table agree."""
     mapped = set(ERROR_OF.values()) | {ServerError}

@@ -77,12 +77,18 @@ async def test_batching_groups_queued_callers_within_the_token_budget(start_serv
     assert padded / real <= 1.25, padded / real
 
 
+def int32_request(ids: list[int]) -> pb.EncodeRequest:
+    return pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(np.array(ids, np.int32)))])
+
+
 BAD_REQUESTS = {
     "no sequences": (pb.EncodeRequest(), "sequences"),
     "too many sequences": (ids_request(*[[1]] * 65), "sequences"),
     "too long": (ids_request(np.ones(65)), "sequences[0].token_ids"),
     "id over vocab": (ids_request([1, 2, 3], [4, 5, 100]), "sequences[1].token_ids[2]"),
     "negative id": (ids_request([1, -1]), "sequences[0].token_ids[1]"),
+    "negative int32 id": (int32_request([3, 4, -2]), "sequences[0].token_ids[2]"),
+    "int32 id over vocab": (int32_request([100, 1]), "sequences[0].token_ids[0]"),
     "ids as float": (pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(np.ones(3, np.float32)))]),
                      "sequences[0].token_ids"),
     "byte size mismatch": (pb.EncodeRequest(sequences=[pb.Sequence(token_ids=pb.Tensor(
