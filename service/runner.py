@@ -1,6 +1,7 @@
 """The model runner: loads a bundle, picks device and precision, pads and collates a batch, runs it
 under `torch.inference_mode()`, checks every sequence's output for NaN/Inf, and splits the batch
-back into per-sequence numpy arrays with the padding stripped.
+back into per-sequence numpy arrays with the padding stripped. Pooling runs on the device, and hidden
+states are copied back only when a sequence of the batch returns them.
 
 `execute` is called on the batcher's model thread only (the event loop never runs a forward).
 When `pipelined` (config `pipeline`: on, or auto on CUDA), the batcher calls the two halves instead:
@@ -35,7 +36,7 @@ import torch
 from model.bundle import load_bundle
 from service.config import ServiceConfig
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
-from service.jobs import POOL_CLS, POOL_MEAN, Job, ModelSpec, Output
+from service.jobs import POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +208,10 @@ class Runner:
 
     def _complete(self, jobs: list[Job], result: _Result) -> list[Output | ServiceError]:
         """Per-sequence outputs from a forward's result; non-finite rows re-run in fp32 or failed."""
-        hidden, attention, finite = result
         outputs: list[Output | ServiceError] = [
-            _split(job, hidden, attention, row, nonfinite=False) for row, job in enumerate(jobs)
+            _split(job, result, row, nonfinite=False) for row, job in enumerate(jobs)
         ]
-        bad = [row for row in range(len(jobs)) if not finite[row]]
+        bad = [row for row in range(len(jobs)) if not result.finite[row]]
         if not bad:
             return outputs
         self._observer.on_nonfinite(self.precision, len(bad))
@@ -222,17 +222,17 @@ class Runner:
             return outputs
         self._observer.on_fp32_retry(len(bad))
         retry = [jobs[row] for row in bad]
-        hidden32, attention32, finite32 = self._forward(self._fp32_module, retry)
+        result32 = self._forward(self._fp32_module, retry)
         for i, row in enumerate(bad):
-            if finite32[i]:
-                outputs[row] = _split(retry[i], hidden32, attention32, i, nonfinite=True)
+            if result32.finite[i]:
+                outputs[row] = _split(retry[i], result32, i, nonfinite=True)
             else:
                 outputs[row] = error = NonFiniteOutput()
                 log.warning("non-finite output even in fp32 (ref=%s)", error.ref)
         return outputs
 
     def _forward(self, module: Any, jobs: Sequence[Job]) -> _Result:
-        """Collate, run and wait: hidden (fp32, [B,T,D] on the host), attention and per-row finiteness."""
+        """Collate, run and wait for the batch's results on the host (`_Result`)."""
         return self._collect(self._enqueue(module, jobs))
 
     def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Pending:
@@ -277,14 +277,21 @@ class Runner:
             if attention is not None:
                 attention = attention.float()
             finite = self._finite_rows(hidden, attention, lengths)
+            # Pooled on the device, so a batch that returns only pooled vectors copies B x D values
+            # back rather than B x T x D (on a GPU the copy of a large batch costs a good part of its
+            # forward); on CPU it saves the per-row pooling.
+            pooled = _pool(hidden, lengths) if any(job.pooling != POOL_NONE for job in jobs) else None
             if attention is not None:
                 if first.heads_mean:
                     attention = attention.mean(dim=2, keepdim=True)  # (B, L, 1, T, T)
                 if layers != list(first.attn_layers):  # the order asked for
                     attention = torch.stack([attention[:, layers.index(layer)] for layer in first.attn_layers], 1)
                 attention = self._to_host(attention)
-            pending = _Pending(precision, self._to_host(hidden), attention, self._to_host(finite), events,
-                               time.perf_counter() - started)
+            pending = _Pending(
+                precision, self._to_host(hidden) if any(job.return_hidden for job in jobs) else None,
+                self._to_host(pooled) if pooled is not None else None, attention, self._to_host(finite), events,
+                time.perf_counter() - started,
+            )
             if events is not None:
                 events[1].record()
         return pending
@@ -313,8 +320,7 @@ class Runner:
             seconds = start.elapsed_time(done) / 1e3  # device time: not the wait behind an earlier batch
         finite = pending.finite.tolist()
         self._observer.on_forward(pending.precision, seconds)
-        attention = pending.attention.numpy() if pending.attention is not None else None
-        return pending.hidden.numpy(), attention, finite
+        return _Result(_numpy(pending.hidden), _numpy(pending.pooled), _numpy(pending.attention), finite)
 
     def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place.
@@ -329,9 +335,14 @@ class Runner:
         return host
 
 
-# hidden fp32 [B, T, D] and attention fp32 [B, L, H or 1, T, T] on the host (views of the batch's
-# tensors), and per-row finiteness.
-_Result = tuple[np.ndarray, np.ndarray | None, list[bool]]
+@dataclass(frozen=True)
+class _Result:
+    """A batch's results on the host, fp32, as numpy views of the batch's tensors; None: not asked for."""
+
+    hidden: np.ndarray | None  # [B, T, D]: None when no sequence returns hidden states
+    pooled: np.ndarray | None  # [B, 2, D]: (mean over the real tokens, first token); None without pooling
+    attention: np.ndarray | None  # [B, L, H or 1, T, T]
+    finite: list[bool]  # per row: hidden states (padding excluded) and attention all finite
 
 
 @dataclass(frozen=True)
@@ -340,7 +351,8 @@ class _Pending:
     (events is None on CPU, where they are complete already)."""
 
     precision: str
-    hidden: torch.Tensor  # fp32 [B, T, D]
+    hidden: torch.Tensor | None  # fp32 [B, T, D], as _Result
+    pooled: torch.Tensor | None  # fp32 [B, 2, D]
     attention: torch.Tensor | None  # fp32 [B, L, H or 1, T, T]
     finite: torch.Tensor  # bool [B]
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # (start, done), timing the device work
@@ -367,15 +379,26 @@ def _warm(result: tuple[list[Output | ServiceError], float]) -> None:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
 
 
-def _split(job: Job, hidden: np.ndarray, attention: np.ndarray | None, row: int, *, nonfinite: bool) -> Output:
+def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
+    return tensor.numpy() if tensor is not None else None
+
+
+def _pool(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(B, 2, D): each row's mean over its real tokens, and its first token."""
+    real = torch.arange(hidden.shape[1], device=hidden.device)[None, :, None] < lengths[:, None, None]  # (B, T, 1)
+    # where, not a product with the mask: 0 x NaN in a padded position would be NaN.
+    mean = torch.where(real, hidden, 0.0).sum(dim=1) / lengths[:, None].to(hidden.dtype)
+    return torch.stack((mean, hidden[:, 0]), dim=1)
+
+
+def _split(job: Job, result: _Result, row: int, *, nonfinite: bool) -> Output:
     """One row of a batch, padding stripped. numpy, not torch: indexing a tensor costs about 10x more,
     once per sequence of every batch."""
-    n = job.length
-    h = hidden[row, :n]  # (T, D), a view of the batch
+    hidden = result.hidden[row, : job.length] if job.return_hidden and result.hidden is not None else None
     pooled = None
-    if job.pooling == POOL_MEAN:
-        pooled = h.mean(axis=0)
-    elif job.pooling == POOL_CLS:
-        pooled = h[0].copy()  # not a view: it would keep the whole batch alive
-    att = np.ascontiguousarray(attention[row, :, :, :n, :n]) if attention is not None else None  # (L, H, T, T)
-    return Output(h if job.return_hidden else None, pooled, att, nonfinite)
+    if job.pooling != POOL_NONE and result.pooled is not None:
+        pooled = result.pooled[row, 0 if job.pooling == POOL_MEAN else 1]
+    att = None
+    if result.attention is not None:
+        att = np.ascontiguousarray(result.attention[row, :, :, : job.length, : job.length])  # (L, H, T, T)
+    return Output(hidden, pooled, att, nonfinite)

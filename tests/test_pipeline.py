@@ -227,6 +227,24 @@ async def test_pipelined_outputs_equal_unpipelined_for_mixed_lengths(tiny_bundle
             np.testing.assert_allclose(on.output.pooled, hidden.mean(axis=0), atol=1e-5, rtol=0)
 
 
+def test_a_pooled_only_batch_brings_back_no_hidden_states(tiny_bundle: Path, reference_model) -> None:
+    # Pooling runs on the device, so a batch of pooled-only sequences copies B x D values back, not
+    # B x T x D (on a GPU that copy is a good part of a large batch's time).
+    runner = make_runner(tiny_bundle)
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(0, 90, n) for n in (3, 17, 40)]  # padded to 40: the mean must skip the padding
+    poolings = (POOL_MEAN, POOL_CLS, POOL_MEAN)
+    jobs = [ids_job(x, pooling=pooling, return_hidden=False) for x, pooling in zip(ids, poolings, strict=True)]
+    result = runner._forward(runner._module, jobs)
+    assert result.hidden is None and result.pooled is not None and result.pooled.shape == (3, 2, D_MODEL)
+    outputs, _ = runner.execute(jobs)
+    for x, job, out in zip(ids, jobs, outputs, strict=True):
+        assert isinstance(out, Output) and out.hidden is None
+        hidden = reference_model(x)[0]
+        expected = hidden.mean(axis=0) if job.pooling == POOL_MEAN else hidden[0]
+        np.testing.assert_allclose(out.pooled, expected, atol=1e-5, rtol=0)
+
+
 async def test_every_item_resolves_under_many_concurrent_submits(tiny_bundle, reference_model, make_batcher):
     spy = Spy(make_runner(tiny_bundle, pipeline="on"))
     batcher = make_batcher(spy, max_batch_tokens=512)
