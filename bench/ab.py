@@ -3,13 +3,18 @@ drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and i
 
     python -m bench.ab [--lengths 128 128] [--concurrency 64] [--rounds 8] [--seconds 4]
                        [--a-flag F ...] [--b-flag F ...] [--a-source DIR] [--b-source DIR]
-                       [--a-prelude CODE] [--b-prelude CODE]
+                       [--a-prelude CODE] [--b-prelude CODE] [--keep-servers]
 
 A variant is server flags (`--a-flag=--max-batch-tokens=4096`), a source tree (`--a-source`: another
 checkout, e.g. `git worktree add /tmp/old HEAD~1`) and Python run in the server process before it
 starts (`--b-prelude 'import service.window as w; w.AGE_POWER = 0'`, for experiments that have no
-flag). Both servers run at once on 127.0.0.1 (the idle one costs nothing); rounds alternate which
-goes first. Bounded: rounds x 2 x (seconds + 1) plus start-up.
+flag). Every round starts a fresh server of each variant (in alternating order) and runs one slice on
+each, alternating which goes first: two processes of the same code differ here by up to 6% for as
+long as they live (A/A runs with one pair of servers kept for 8 rounds gave B/A 1.057, 1.049 and
+0.978, see bench/RESULTS.md), so a pair kept for the whole run would bias the ratio by as much.
+Even with fresh servers an 8-round median is good to about +-7% on this machine.
+`--keep-servers` keeps one pair (faster; for effects well above that). The idle server costs nothing.
+Bounded: rounds x (2 x (seconds + 1) + two start-ups).
 """
 
 from __future__ import annotations
@@ -50,6 +55,17 @@ def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: fl
     return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
 
 
+def stop(sides: dict[str, tuple[Any, str]]) -> None:
+    for proc, _ in sides.values():
+        proc.send_signal(signal.SIGTERM)
+    for proc, _ in sides.values():
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"))
@@ -61,23 +77,34 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{side}-flag", action="append", default=[], help="server flag (repeat)")
         parser.add_argument(f"--{side}-source", type=Path, default=ROOT, help="source tree to run")
         parser.add_argument(f"--{side}-prelude", default="", help="Python run in the server before it starts")
+    parser.add_argument("--keep-servers", action="store_true",
+                        help="one server per variant for all rounds rather than a fresh pair each round")
     args = parser.parse_args(argv)
     if not (1 <= args.rounds <= 50 and 0 < args.seconds <= 60):
         parser.error("--rounds must be in 1..50 and --seconds in (0, 60]")
     model = args.model or ensure_default_bundle(Path(tempfile.gettempdir()) / "attention-bench-cache")
-    sides = {s: start(model, getattr(args, f"{s}_source"), getattr(args, f"{s}_prelude"), getattr(args, f"{s}_flag"))
-             for s in ("a", "b")}
+
+    def start_side(side: str) -> tuple[Any, str]:
+        return start(model, getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
+                     getattr(args, f"{side}_flag"))
+
     rows: dict[str, list[tuple[float, float, float]]] = {"a": [], "b": []}
+    sides: dict[str, tuple[Any, str]] = {}
     try:
         for round_ in range(args.rounds):
-            for side in ("a", "b") if round_ % 2 == 0 else ("b", "a"):
+            order = ("a", "b") if round_ % 2 == 0 else ("b", "a")
+            for side in order:
+                if side not in sides:
+                    sides[side] = start_side(side)
+            for side in order:
                 r = asyncio.run(run_load(sides[side][1], concurrency=args.concurrency, duration_s=args.seconds,
                                          warmup_s=1.0, lengths=tuple(args.lengths), seed=round_, pool_size=512))
                 rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"]))
+            if not args.keep_servers:
+                stop(sides)
+                sides = {}
     finally:
-        for proc, _ in sides.values():
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+        stop(sides)
     for side in ("a", "b"):
         a = np.asarray(rows[side])
         print(f"{side.upper()}: seq/s {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "
