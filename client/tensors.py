@@ -61,7 +61,8 @@ def fill_tensor(tensor: pb.Tensor, array: np.ndarray, dtype: int | None = None) 
     """Encode an array into `tensor`, a field of a larger message, in place, as `to_tensor` would.
 
     For responses: `message.field.CopyFrom(to_tensor(...))` copies the data once more, and building
-    the parent from finished submessages copies them again (about 110 us for 128 KiB, 7x this).
+    the parent from finished submessages copies it again (a response of one 128 KiB tensor, built and
+    serialized: 127 us that way, 17 us filled in place).
     """
     array = np.asarray(array)
     if dtype is None:
