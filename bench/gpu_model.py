@@ -107,9 +107,10 @@ def phase_model(args: argparse.Namespace, deadline: float, record: dict[str, Any
     from bench.model_bench import forward_flops
     from model.bundle import load_bundle, read_manifest
     from service.config import ServiceConfig
+    from service.device import DTYPES
     from service.jobs import POOL_MEAN, Job
     from service.metrics import Metrics
-    from service.runner import DTYPES, Runner
+    from service.runner import Runner
 
     started, cuda = time.monotonic(), args.device == "cuda"
     bundle = preset_bundle(args.preset)

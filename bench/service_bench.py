@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     bundle = ensure_default_bundle(Path(tempfile.gettempdir()) / "attention-bench-cache")
     max_batch_size = 64
 
-    from service.runner import default_threads
+    from service.device import default_threads
 
     threads = args.threads or default_threads()
     torch.set_num_threads(threads)

@@ -33,11 +33,12 @@ from prometheus_client import CollectorRegistry, start_http_server
 from model.default import ensure_default_bundle
 from service.batcher import Batcher, BatchLimits
 from service.config import ServiceConfig
+from service.device import default_batch_tokens
 from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
 from service.jobs import Job
 from service.metrics import Metrics
-from service.runner import Launched, Runner, default_batch_tokens
+from service.runner import Launched, Runner
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
 

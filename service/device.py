@@ -1,0 +1,38 @@
+"""Where and in what precision the model runs: the device and precision a config's `auto` resolves to,
+and the defaults that depend on them (intra-op threads, the batch token budget)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def default_threads() -> int:
+    """Intra-op threads when the config says 0: one per usable core (torch's own default, stated)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def default_batch_tokens(device: str) -> int:
+    """The token budget when the config says 0 (`device` as configured: auto | cpu | cuda). On CPU,
+    forwards are most efficient per token at about 2048 tokens (bench/RESULTS.md); a GPU wants more."""
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return 16384 if cuda else 2048
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda was asked for, but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
