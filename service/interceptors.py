@@ -85,7 +85,8 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             except grpc.aio.AbortError:
                 code = _code_name(context)
                 raise
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
+                # GeneratorExit: grpcio closes a streaming handler this way when the caller cancels.
                 code = _cancel_code(context)
                 raise
             finally:

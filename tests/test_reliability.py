@@ -405,3 +405,20 @@ async def test_stream_answers_every_request_even_when_our_code_cancels_one(start
     assert by_id["s1"].error.code == "INTERNAL" and by_id["s1"].error.message.startswith("request aborted (ref=")
     assert by_id["s2"].error.code == "INTERNAL" and by_id["s2"].error.message.startswith("inference failed (ref=")
     await assert_ledger_balanced(s, admissions)
+
+
+async def test_a_stream_the_caller_cancels_is_counted_cancelled_not_unknown(start_server):
+    # The caller reads one answer and cancels while the server still has 39 to send, more than
+    # HTTP/2 flow control lets through, so the handler waits in its `yield`: grpcio then closes the
+    # handler's generator (GeneratorExit), which must count as CANCELLED like a cancelled task.
+    s = await start_server()
+    call = s.stub.EncodeStream(timeout=30)
+    for i in range(40):
+        await call.write(ids_request(list(range(64)), request_id=f"s{i}"))
+    assert (await call.read()).request_id.startswith("s")
+    await wait_for(lambda: s.sample("attention_sequences_total") == 40, what="every request computed")
+    call.cancel()
+    labels = {"grpc_method": "EncodeStream", "grpc_service": SERVICE_NAME, "grpc_type": "bidi_stream"}
+    await wait_for(lambda: s.sample("grpc_server_handled_total", {**labels, "grpc_code": "CANCELLED"}) == 1,
+                   what="the server to count the cancelled stream")
+    assert s.sample("grpc_server_handled_total", {**labels, "grpc_code": "UNKNOWN"}) == 0
