@@ -5,11 +5,17 @@ and serialized once, up front, and sent as raw bytes through a generic `unary_un
 serializers, so the generator spends its CPU on gRPC, not on numpy or protobuf. Calls are not
 retried (retries would hide errors). The run stops after `duration_s` or `max_requests` measured
 calls, whichever comes first; calls started during `warmup_s` are made but not measured.
+
+With `stream`, the callers' requests go instead over one EncodeStream per connection, each still
+waiting for its own answer (matched by request_id) before it sends the next: the same closed loop
+without a gRPC call per request. A stream that fails fails every request then in flight on it, and
+its callers stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import re
 import resource
@@ -29,6 +35,7 @@ from client.messages import DTypeName, EncodeOptions, ModelInfo, Pooling, build_
 from proto.attention.v1 import attention_pb2 as pb
 
 ENCODE = f"/{SERVICE}/Encode"
+ENCODE_STREAM = f"/{SERVICE}/EncodeStream"
 GET_MODEL_INFO = f"/{SERVICE}/GetModelInfo"
 MAX_DURATION_S = 600.0
 MAX_REQUESTS = 10_000_000
@@ -81,6 +88,7 @@ class BenchReport:
     server: dict[str, float]
     client_cpu_s: float
     client_cpu: float
+    stream: bool = False  # requests went over EncodeStream rather than one Encode call each
     samples_ms: list[float] = field(default_factory=list, repr=False)  # per measured call, in completion order
 
     def to_dict(self, *, samples: bool = False) -> dict[str, Any]:
@@ -103,7 +111,8 @@ class BenchReport:
             f"  target        {self.target} ({self.model})",
             f"  load          concurrency {self.concurrency}, {self.connections} connection(s), lengths "
             f"{low if low == high else f'{low}..{high}'}, {self.sequences_per_request} seq/call, "
-            f"attention {'on' if self.attention else 'off'}, {self.dtype}",
+            f"attention {'on' if self.attention else 'off'}, {self.dtype}"
+            f"{', over EncodeStream' if self.stream else ''}",
             f"  duration      {self.duration_s:.2f} s "
             f"(after {self.warmup_s:g} s warm-up, {self.warmup_requests} calls)",
             f"  calls         {self.requests} ({self.ok} ok)",
@@ -163,6 +172,7 @@ async def run_load(
     warmup_s: float = 0.0, seed: int = 0, attention: bool = False, dtype: DTypeName = "float32",
     pooling: Pooling = "none", return_hidden: bool = True, timeout: float = 30.0, connections: int = 1,
     tls: TLS | None = None, token: str | None = None, pool_size: int = 256, progress: bool = False,
+    stream: bool = False,
 ) -> BenchReport:
     """Closed-loop load on `target` (see the module docstring); returns what was measured.
 
@@ -201,21 +211,144 @@ async def run_load(
             pool_size = min(pool_size, max_requests + concurrency)
         pool = prepare_requests(info, lengths=lengths, sequences_per_request=sequences_per_request,
                                 count=pool_size, seed=seed, options=encode_options)
-        calls = [channel.unary_unary(ENCODE) for channel in channels]
-        return await _drive(
-            calls, pool, metadata, info=info, target=resolved, concurrency=concurrency, duration_s=duration_s,
-            max_requests=max_requests, warmup_s=warmup_s, timeout=timeout, progress=progress,
-            settings=dict(lengths=lengths, sequences_per_request=sequences_per_request, attention=attention,
-                          dtype=dtype, seed=seed, connections=connections),
-        )
+        calls: list[_Calls]
+        if stream:
+            # One deadline for the whole stream: the run's own bound, plus a call's timeout.
+            deadline = (MAX_DURATION_S if duration_s is None else duration_s) + warmup_s + timeout
+            calls = [_StreamCalls(channel, metadata, deadline, timeout) for channel in channels]
+        else:
+            calls = [_UnaryCalls(channel, metadata, timeout) for channel in channels]
+        try:
+            return await _drive(
+                calls, pool, info=info, target=resolved, concurrency=concurrency, duration_s=duration_s,
+                max_requests=max_requests, warmup_s=warmup_s, progress=progress,
+                settings=dict(lengths=lengths, sequences_per_request=sequences_per_request, attention=attention,
+                              dtype=dtype, seed=seed, connections=connections, stream=stream),
+            )
+        finally:
+            for call in calls:
+                await call.close()
     finally:
         for channel in channels:
             await channel.close()
 
 
-async def _drive(calls: list[Any], pool: list[_Prepared], metadata: tuple[tuple[str, str], ...], *, info: ModelInfo,
-                 target: str, concurrency: int, duration_s: float | None, max_requests: int | None, warmup_s: float,
-                 timeout: float, progress: bool, settings: dict[str, Any]) -> BenchReport:
+class _CallFailed(Exception):
+    """A request failed with this gRPC status code name."""
+
+    def __init__(self, code: str) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class _Calls:
+    """How a caller sends one request (serialized) and gets its response."""
+
+    async def __call__(self, raw: bytes) -> pb.EncodeResponse:
+        raise NotImplementedError
+
+    @property
+    def broken(self) -> bool:
+        """No further request can succeed (a stream that ended)."""
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+class _UnaryCalls(_Calls):
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], timeout: float) -> None:
+        self._call = channel.unary_unary(ENCODE)
+        self._metadata = metadata
+        self._timeout = timeout
+
+    async def __call__(self, raw: bytes) -> pb.EncodeResponse:
+        try:
+            raw_response: bytes = await self._call(raw, timeout=self._timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise _CallFailed(exc.code().name) from None
+        response: pb.EncodeResponse = pb.EncodeResponse.FromString(raw_response)
+        return response
+
+
+class _StreamCalls(_Calls):
+    """One EncodeStream; the server answers in completion order, so responses are matched to their
+    requests by request_id. Each request gets a fresh id appended to its prepared bytes: a field that
+    occurs twice in a protobuf message takes its last value, so no request is serialized again."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], deadline: float,
+                 timeout: float) -> None:
+        self._call = channel.stream_stream(ENCODE_STREAM)(timeout=deadline, metadata=metadata)
+        self._timeout = timeout  # per request, as a unary call's deadline
+        self._writing = asyncio.Lock()  # grpc.aio allows one write in flight per stream
+        self._waiting: dict[str, asyncio.Future[pb.EncodeResponse]] = {}
+        self._ids = itertools.count()
+        self._failed: str | None = None
+        self._reader = asyncio.create_task(self._read())
+
+    async def __call__(self, raw: bytes) -> pb.EncodeResponse:
+        if self._failed is not None:
+            raise _CallFailed(self._failed)
+        request_id = f"s{next(self._ids)}"
+        future: asyncio.Future[pb.EncodeResponse] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        try:
+            async with self._writing:
+                await self._call.write(raw + pb.EncodeRequest(request_id=request_id).SerializeToString())
+        except grpc.aio.AioRpcError as exc:
+            self._fail(exc.code().name)
+        except (asyncio.InvalidStateError, grpc.aio.UsageError):  # written after the stream ended
+            self._fail(self._failed or "CANCELLED")
+        try:
+            response = await asyncio.wait_for(future, self._timeout)
+        except TimeoutError:
+            self._waiting.pop(request_id, None)
+            raise _CallFailed("DEADLINE_EXCEEDED") from None
+        if response.HasField("error"):
+            raise _CallFailed(response.error.code or "UNKNOWN")
+        return response
+
+    @property
+    def broken(self) -> bool:
+        return self._failed is not None
+
+    async def _read(self) -> None:
+        try:
+            async for raw in self._call:
+                response = pb.EncodeResponse.FromString(raw)
+                future = self._waiting.pop(response.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(response)
+            self._fail("CANCELLED")  # the server ended the stream with requests unanswered
+        except grpc.aio.AioRpcError as exc:
+            self._fail(exc.code().name)
+
+    def _fail(self, code: str) -> None:
+        self._failed = self._failed or code
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(_CallFailed(self._failed))
+
+    async def close(self) -> None:
+        """End the stream the ordinary way (the server answers what is in flight, then OK); cancel it
+        only if that fails or takes longer than a request may."""
+        try:
+            if self._failed is None:
+                async with self._writing:
+                    await self._call.done_writing()
+                await asyncio.wait_for(asyncio.shield(self._reader), self._timeout)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
+            pass
+        finally:
+            self._call.cancel()  # nothing, once the stream has ended
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+async def _drive(calls: list[_Calls], pool: list[_Prepared], *, info: ModelInfo, target: str, concurrency: int,
+                 duration_s: float | None, max_requests: int | None, warmup_s: float, progress: bool,
+                 settings: dict[str, Any]) -> BenchReport:
     from tqdm import tqdm
 
     latencies: list[float] = []
@@ -258,17 +391,17 @@ async def _drive(calls: list[Any], pool: list[_Prepared], metadata: tuple[tuple[
             item = pool[k % len(pool)]
             k += concurrency
             try:
-                raw = await call(item.raw, timeout=timeout, metadata=metadata)
+                m = (await call(item.raw)).metadata
                 code = "OK"
-            except grpc.aio.AioRpcError as exc:
-                code = exc.code().name
-            if not measured:
-                continue
-            latencies.append((time.perf_counter() - t0) * 1e3)
-            codes[code] += 1
-            bar.update(1)
-            if code == "OK":
-                m = pb.EncodeResponse.FromString(raw).metadata
+            except _CallFailed as exc:
+                code = exc.code
+            if measured:
+                latencies.append((time.perf_counter() - t0) * 1e3)
+                codes[code] += 1
+                bar.update(1)
+            if code != "OK" and call.broken:
+                return  # its stream has ended: nothing more can be sent on it
+            if measured and code == "OK":
                 rows.append((m.queue_us, m.compute_us, m.batch_size, m.padded_length))
                 padded_tokens += m.padded_length * item.sequences
                 real_tokens += item.tokens

@@ -241,6 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             lengths=lengths, sequences_per_request=args.seq_per_call, warmup_s=args.warmup, seed=args.seed,
             attention=args.attention, dtype=args.dtype, pooling=args.pooling, timeout=args.timeout or DEFAULT_TIMEOUT_S,
             connections=args.connections, tls=tls_of(args), token=token_of(args), progress=not args.no_progress,
+            stream=args.stream,
         ))
     except ValueError as exc:
         if isinstance(exc, ClientError):
@@ -318,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=dtypes, default="float32", help="wire precision of the outputs")
     p.add_argument("--pooling", choices=("none", "mean", "cls"), default="none")
     p.add_argument("--connections", type=int, default=1, help="gRPC connections, callers spread over them")
+    p.add_argument("--stream", action="store_true",
+                   help="send the callers' requests over one EncodeStream per connection, not one call each")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--samples", action="store_true", help="include per-call latencies in --json")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

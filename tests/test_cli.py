@@ -3,6 +3,7 @@ subprocess (SIGTERM at the end must exit 0)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -206,6 +207,31 @@ def test_bench_writes_a_json_report(service: ServiceProcess, capsys, tmp_path: P
     assert server["compute_ms"] > 0 and report["client_cpu_s"] >= 0
     assert report["lengths"] == [8, 32] and report["concurrency"] == 4
     assert service.sequences_total() - before == 50  # no warm-up asked: every call was measured
+
+
+def test_bench_over_encode_stream(service: ServiceProcess, capsys, tmp_path: Path):
+    before = service.sequences_total()
+    report_path = tmp_path / "bench.json"
+    code, out, _ = run_cli(capsys, "--target", service.target, "bench", "--stream", "--requests", "60",
+                           "--concurrency", "8", "--connections", "2", "--lengths", "8:32", "--no-progress",
+                           "--json", str(report_path))
+    assert code == 0, out
+    assert "over EncodeStream" in out and "Errors by code: none" in out
+    report = json.loads(report_path.read_text())
+    assert report["stream"] is True and report["errors"] == {} and report["ok"] == report["sequences"] == 60
+    assert report["server"]["batch_size"] >= 1 and report["latency_ms"]["p50"] > 0
+    assert service.sequences_total() - before == 60
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_bench_counts_refused_requests_by_code(service: ServiceProcess, stream: bool):
+    # Nothing to return (no hidden states, no pooling, no attention): every request is INVALID_ARGUMENT,
+    # an RPC status on Encode, a per-request error on EncodeStream; the stream itself lives on.
+    from client.bench import run_load
+
+    report = asyncio.run(run_load(service.target, concurrency=3, max_requests=12, duration_s=None,
+                                  return_hidden=False, pooling="none", stream=stream))
+    assert report.errors == {"INVALID_ARGUMENT": 12} and report.ok == 0 and report.requests == 12
 
 
 def test_bench_refuses_unbounded_or_oversized_runs(service: ServiceProcess, capsys):
