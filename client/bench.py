@@ -15,7 +15,6 @@ its callers stop.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import re
 import resource
@@ -29,13 +28,12 @@ from typing import Any
 import grpc
 import numpy as np
 
+from client.bench_calls import CallFailed, Calls, StreamCalls, UnaryCalls
 from client.channel import SERVICE, TLS, call_metadata, channel_options, open_aio_channel, resolve_target
 from client.errors import from_rpc_error
 from client.messages import DTypeName, EncodeOptions, ModelInfo, Pooling, build_request
 from proto.attention.v1 import attention_pb2 as pb
 
-ENCODE = f"/{SERVICE}/Encode"
-ENCODE_STREAM = f"/{SERVICE}/EncodeStream"
 GET_MODEL_INFO = f"/{SERVICE}/GetModelInfo"
 MAX_DURATION_S = 600.0
 MAX_REQUESTS = 10_000_000
@@ -211,13 +209,13 @@ async def run_load(
             pool_size = min(pool_size, max_requests + concurrency)
         pool = prepare_requests(info, lengths=lengths, sequences_per_request=sequences_per_request,
                                 count=pool_size, seed=seed, options=encode_options)
-        calls: list[_Calls]
+        calls: list[Calls]
         if stream:
             # One deadline for the whole stream: the run's own bound, plus a call's timeout.
             deadline = (MAX_DURATION_S if duration_s is None else duration_s) + warmup_s + timeout
-            calls = [_StreamCalls(channel, metadata, deadline, timeout) for channel in channels]
+            calls = [StreamCalls(channel, metadata, deadline, timeout) for channel in channels]
         else:
-            calls = [_UnaryCalls(channel, metadata, timeout) for channel in channels]
+            calls = [UnaryCalls(channel, metadata, timeout) for channel in channels]
         try:
             return await _drive(
                 calls, pool, info=info, target=resolved, concurrency=concurrency, duration_s=duration_s,
@@ -233,120 +231,7 @@ async def run_load(
             await channel.close()
 
 
-class _CallFailed(Exception):
-    """A request failed with this gRPC status code name."""
-
-    def __init__(self, code: str) -> None:
-        super().__init__(code)
-        self.code = code
-
-
-class _Calls:
-    """How a caller sends one request (serialized) and gets its response."""
-
-    async def __call__(self, raw: bytes) -> pb.EncodeResponse:
-        raise NotImplementedError
-
-    @property
-    def broken(self) -> bool:
-        """No further request can succeed (a stream that ended)."""
-        return False
-
-    async def close(self) -> None:
-        pass
-
-
-class _UnaryCalls(_Calls):
-    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], timeout: float) -> None:
-        self._call = channel.unary_unary(ENCODE)
-        self._metadata = metadata
-        self._timeout = timeout
-
-    async def __call__(self, raw: bytes) -> pb.EncodeResponse:
-        try:
-            raw_response: bytes = await self._call(raw, timeout=self._timeout, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise _CallFailed(exc.code().name) from None
-        response: pb.EncodeResponse = pb.EncodeResponse.FromString(raw_response)
-        return response
-
-
-class _StreamCalls(_Calls):
-    """One EncodeStream; the server answers in completion order, so responses are matched to their
-    requests by request_id. Each request gets a fresh id appended to its prepared bytes: a field that
-    occurs twice in a protobuf message takes its last value, so no request is serialized again."""
-
-    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], deadline: float,
-                 timeout: float) -> None:
-        self._call = channel.stream_stream(ENCODE_STREAM)(timeout=deadline, metadata=metadata)
-        self._timeout = timeout  # per request, as a unary call's deadline
-        self._writing = asyncio.Lock()  # grpc.aio allows one write in flight per stream
-        self._waiting: dict[str, asyncio.Future[pb.EncodeResponse]] = {}
-        self._ids = itertools.count()
-        self._failed: str | None = None
-        self._reader = asyncio.create_task(self._read())
-
-    async def __call__(self, raw: bytes) -> pb.EncodeResponse:
-        if self._failed is not None:
-            raise _CallFailed(self._failed)
-        request_id = f"s{next(self._ids)}"
-        future: asyncio.Future[pb.EncodeResponse] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = future
-        try:
-            async with self._writing:
-                await self._call.write(raw + pb.EncodeRequest(request_id=request_id).SerializeToString())
-        except grpc.aio.AioRpcError as exc:
-            self._fail(exc.code().name)
-        except (asyncio.InvalidStateError, grpc.aio.UsageError):  # written after the stream ended
-            self._fail(self._failed or "CANCELLED")
-        try:
-            response = await asyncio.wait_for(future, self._timeout)
-        except TimeoutError:
-            self._waiting.pop(request_id, None)
-            raise _CallFailed("DEADLINE_EXCEEDED") from None
-        if response.HasField("error"):
-            raise _CallFailed(response.error.code or "UNKNOWN")
-        return response
-
-    @property
-    def broken(self) -> bool:
-        return self._failed is not None
-
-    async def _read(self) -> None:
-        try:
-            async for raw in self._call:
-                response = pb.EncodeResponse.FromString(raw)
-                future = self._waiting.pop(response.request_id, None)
-                if future is not None and not future.done():
-                    future.set_result(response)
-            self._fail("CANCELLED")  # the server ended the stream with requests unanswered
-        except grpc.aio.AioRpcError as exc:
-            self._fail(exc.code().name)
-
-    def _fail(self, code: str) -> None:
-        self._failed = self._failed or code
-        waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
-            if not future.done():
-                future.set_exception(_CallFailed(self._failed))
-
-    async def close(self) -> None:
-        """End the stream the ordinary way (the server answers what is in flight, then OK); cancel it
-        only if that fails or takes longer than a request may."""
-        try:
-            if self._failed is None:
-                async with self._writing:
-                    await self._call.done_writing()
-                await asyncio.wait_for(asyncio.shield(self._reader), self._timeout)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, TimeoutError):
-            pass
-        finally:
-            self._call.cancel()  # nothing, once the stream has ended
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-
-
-async def _drive(calls: list[_Calls], pool: list[_Prepared], *, info: ModelInfo, target: str, concurrency: int,
+async def _drive(calls: list[Calls], pool: list[_Prepared], *, info: ModelInfo, target: str, concurrency: int,
                  duration_s: float | None, max_requests: int | None, warmup_s: float, progress: bool,
                  settings: dict[str, Any]) -> BenchReport:
     from tqdm import tqdm
@@ -393,7 +278,7 @@ async def _drive(calls: list[_Calls], pool: list[_Prepared], *, info: ModelInfo,
             try:
                 m = (await call(item.raw)).metadata
                 code = "OK"
-            except _CallFailed as exc:
+            except CallFailed as exc:
                 code = exc.code
             if measured:
                 latencies.append((time.perf_counter() - t0) * 1e3)
