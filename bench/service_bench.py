@@ -24,6 +24,7 @@ import platform
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,10 @@ class Ceiling:
     precision: str
     fixed_seq_s: float
     fixed_best_batch: int
+    fixed_best_workers: int
     mixed_seq_s: float
     mixed_best_budget: int
+    mixed_best_workers: int
     batch1_ms_fixed: float
     batch1_ms_mixed: float
 
@@ -64,23 +67,48 @@ def _time(fn: Any, reps: int) -> float:
 
 class InProcess:
     """The bundle called in process (no gRPC): the ceiling. `search()` finds the best batch size (fixed
-    lengths) and token budget (length-sorted mixed lengths) once; `measure()` then re-measures just the
-    bar for one load run, so it can be taken right before and right after that run."""
+    lengths), token budget (length-sorted mixed lengths) and number of workers (1, or the server's:
+    that many threads running batches side by side with `threads / workers` intra-op threads each,
+    as the server's model workers do) once; `measure()` then re-measures just the bar for one load
+    run, so it can be taken right before and right after that run. Batch-1 latency runs alone with all
+    `threads`, as the server's lone batches do."""
 
-    def __init__(self, bundle: Path, precision: str, max_batch_size: int, seed: int = 0) -> None:
+    def __init__(self, bundle: Path, precision: str, max_batch_size: int, threads: int, workers: int,
+                 seed: int = 0) -> None:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.precision = precision
         self._module = load_bundle(bundle, dtype=dtype).module
-        self._rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(seed)
+        self._ids = torch.from_numpy(rng.integers(0, 8192, (max_batch_size, MIXED[1])))
         self._max_batch_size = max_batch_size
-        self._mixed = sorted(int(n) for n in self._rng.integers(MIXED[0], MIXED[1] + 1, 256))
-        self.best_batch, self.best_budget = 16, 2048
+        self._mixed = sorted(int(n) for n in rng.integers(MIXED[0], MIXED[1] + 1, 256))
+        self._workers = sorted({1, workers})
+        narrow = max(1, threads // workers)
+        self._pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(narrow,))
+        self.best_batch, self.best_budget, self.fixed_workers, self.mixed_workers = 16, 1024, 1, 1
+
+    def close(self) -> None:
+        self._pool.shutdown()
 
     def forward(self, lengths: list[int]) -> None:
         B, T = len(lengths), max(lengths)
-        ids = torch.from_numpy(self._rng.integers(0, 8192, (B, T)))
         with torch.inference_mode():
-            self._module(ids, None, torch.tensor(lengths), False, [])[0].float().cpu()
+            self._module(self._ids[:B, :T].contiguous(), None, torch.tensor(lengths), False, [])[0].float().cpu()
+
+    def _seq_s(self, batches: list[list[int]], workers: int, reps: int) -> float:
+        """Sequences/s of running `batches`, in turn on this thread (workers 1), or taken in turn by
+        `workers` threads side by side."""
+        if workers == 1:
+            def run() -> None:
+                for batch in batches:
+                    self.forward(batch)
+        else:
+            def run() -> None:
+                list(self._pool.map(self.forward, batches))
+        return sum(map(len, batches)) / _time(run, reps)
+
+    def _fixed(self, batch: int, workers: int) -> list[list[int]]:
+        return [[FIXED[0]] * batch] * (2 * workers)
 
     def _sorted_batches(self, budget: int) -> list[list[int]]:
         batches: list[list[int]] = [[]]
@@ -91,13 +119,15 @@ class InProcess:
         return batches
 
     def search(self) -> Ceiling:
-        fixed = {b: b / _time(lambda b=b: self.forward([FIXED[0]] * b), reps=3 if b > 8 else 5)
-                 for b in (1, 8, 16, 32, 64) if b <= self._max_batch_size}
-        self.best_batch = max(fixed, key=fixed.__getitem__)
-        mixed = {budget: self._mixed_seq_s(budget) for budget in (2048, 4096, 8192, 16384)}
-        self.best_budget = max(mixed, key=mixed.__getitem__)
-        return Ceiling(self.precision, fixed[self.best_batch], self.best_batch, mixed[self.best_budget],
-                       self.best_budget, 1e3 / fixed[1], self.measure(MIXED, 1))
+        fixed = {(b, w): self._seq_s(self._fixed(b, w), w, reps=3 if b > 8 else 5)
+                 for w in self._workers for b in (1, 4, 8, 16, 32, 64) if b <= self._max_batch_size}
+        self.best_batch, self.fixed_workers = max(fixed, key=fixed.__getitem__)
+        mixed = {(budget, w): self._seq_s(self._sorted_batches(budget), w, reps=1)
+                 for w in self._workers for budget in (1024, 2048, 4096, 8192)}
+        self.best_budget, self.mixed_workers = max(mixed, key=mixed.__getitem__)
+        return Ceiling(self.precision, fixed[self.best_batch, self.fixed_workers], self.best_batch,
+                       self.fixed_workers, mixed[self.best_budget, self.mixed_workers], self.best_budget,
+                       self.mixed_workers, 1e3 / fixed[1, 1], self.measure(MIXED, 1))
 
     def measure(self, lengths: tuple[int, int], concurrency: int) -> float:
         """The bar for one load run: batch-1 latency in ms at concurrency 1, else sequences/s."""
@@ -105,12 +135,9 @@ class InProcess:
             sample = [FIXED[0]] * 8 if lengths == FIXED else self._mixed[:: len(self._mixed) // 16]
             return 1e3 * _time(lambda: [self.forward([n]) for n in sample], reps=3) / len(sample)
         if lengths == FIXED:
-            return self.best_batch / _time(lambda: self.forward([FIXED[0]] * self.best_batch), reps=5)
-        return self._mixed_seq_s(self.best_budget)
-
-    def _mixed_seq_s(self, budget: int) -> float:
-        batches = self._sorted_batches(budget)
-        return len(self._mixed) / _time(lambda: [self.forward(b) for b in batches], reps=1)
+            w = self.fixed_workers
+            return self._seq_s(self._fixed(self.best_batch, w), w, reps=5)
+        return self._seq_s(self._sorted_batches(self.best_budget), self.mixed_workers, reps=1)
 
 
 def run_one(target: str, concurrency: int, lengths: tuple[int, int], duration: float, warmup: float) -> BenchReport:
@@ -128,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads for the ceiling and the server (0 = the server's default)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="the server's model workers, also tried by the ceiling (0 = the server's default)")
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for the server (repeat)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of each target row (batching on, lowest and highest concurrency); medians count")
@@ -138,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     bundle = ensure_default_bundle(Path(tempfile.gettempdir()) / "attention-bench-cache")
     max_batch_size = 64
 
-    from service.device import default_threads
+    from service.device import default_threads, default_workers
 
     threads = args.threads or default_threads()
+    workers = args.workers or default_workers("cpu", threads)
     torch.set_num_threads(threads)
     precisions = ["fp32", "bf16"] if args.bf16 else ["fp32"]
     arms = [(p, True) for p in precisions] + ([] if args.quick else [("fp32", False)])
@@ -153,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     for precision, batching in arms:
         if precision not in roofs:
             print(f"ceiling search {precision} ...", flush=True)
-            roofs[precision] = InProcess(bundle, precision, max_batch_size)
+            roofs[precision] = InProcess(bundle, precision, max_batch_size, threads, workers)
             searched.append(roofs[precision].search())
             print(f"  {searched[-1]}", flush=True)
         roof, ceiling = roofs[precision], next(c for c in searched if c.precision == precision)
         flags = ["--precision", precision, "--max-batch-size", str(max_batch_size if batching else 1),
-                 "--torch-threads", str(threads), *args.server_flag]
+                 "--torch-threads", str(threads), "--model-workers", str(workers), *args.server_flag]
         server = ServerProcess(bundle, *flags)
         try:
             for lengths in (FIXED, MIXED):
@@ -182,9 +212,12 @@ def main(argv: list[str] | None = None) -> int:
                         print(_line(row), flush=True)
         finally:
             server.stop()
+    for roof in roofs.values():
+        roof.close()
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "workers": workers,
+            "command": " ".join(sys.argv)}
     payload = {"meta": meta, "ceilings": [vars(c) for c in searched], "runs": results}
     (args.out / "service_bench.json").write_text(json.dumps(payload, indent=1))
     table = markdown(meta, searched, results)
@@ -215,14 +248,16 @@ def _machine() -> str:
 
 
 def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[str, Any]]) -> str:
-    lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads; "
-             f"`{meta['command']}`", "", "The ceiling search (in process, once per precision, at the start):", "",
-             "| precision | fixed 128 seq/s (best batch) | mixed 16..256 seq/s (best budget) "
+    lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads, "
+             f"{meta['workers']} model workers; `{meta['command']}`", "",
+             "The ceiling search (in process, once per precision, at the start):", "",
+             "| precision | fixed 128 seq/s (best batch, workers) | mixed 16..256 seq/s (best budget, workers) "
              "| batch-1 ms fixed / mixed |",
              "|---|---|---|---|"]
     for c in ceilings:
-        lines.append(f"| {c.precision} | {c.fixed_seq_s:.1f} ({c.fixed_best_batch}) | {c.mixed_seq_s:.1f} "
-                     f"({c.mixed_best_budget}) | {c.batch1_ms_fixed:.2f} / {c.batch1_ms_mixed:.2f} |")
+        lines.append(f"| {c.precision} | {c.fixed_seq_s:.1f} ({c.fixed_best_batch}, {c.fixed_best_workers}) | "
+                     f"{c.mixed_seq_s:.1f} ({c.mixed_best_budget}, {c.mixed_best_workers}) | "
+                     f"{c.batch1_ms_fixed:.2f} / {c.batch1_ms_mixed:.2f} |")
     lines += ["", "Every run below has its bar measured in process right before and right after it (seq/s; "
               "batch-1 ms at concurrency 1); `of ceiling` is against their mean (at concurrency 1, against the "
               "search's best).", "",

@@ -16,6 +16,13 @@ The contract (held by tests/test_batcher.py):
   launches that one before it `finish`es and delivers the first, so choosing and collating batch
   N+1 overlaps batch N's device work. At most two batches are in flight; with nothing ready it
   finishes N first. Not pipelined, the loop is exactly the one above.
+- Workers (`workers` > 1, for CPUs; never pipelined): that many model threads run batches side by
+  side, each with its share of the cores. Worker 0 leads: it runs `call()`s, and a batch that
+  starts while no other runs and leaves nothing queued is wide, run alone with every core
+  (`set_wide(True)` on its thread first), so a lone request is as fast as with one worker. Every
+  other batch is narrow (`set_wide(False)`); the other workers take only those, and none starts
+  while a wide one runs. Two narrow forwards side by side share no OpenMP barrier, so one that the
+  event loop preempts does not stall the other (bench/RESULTS.md).
 - A batch holds one computation `key` only (attention or not, causal or not, ...), at most
   `max_batch_size` items and at most `max_batch_tokens` tokens counted as size x padded length.
 - Length-aware: among the oldest queued items of the chosen key (about `pool_batches` batches'
@@ -149,9 +156,14 @@ class Batcher(Generic[P]):
         thread_name: str = "model-runner",
         admit_delay_s: float = 0.0,
         pipeline: Pipeline[P] | None = None,
+        workers: int = 1,
+        set_wide: Callable[[bool], None] | None = None,
     ) -> None:
+        if workers > 1 and set_wide is None:
+            raise ValueError("workers > 1 needs set_wide, which gives a batch its share of the cores")
         self._execute = execute
         self._pipeline = pipeline
+        self._set_wide = set_wide
         self._limits = limits
         self._observer: BatchObserver = observer or _NullObserver()
         self._clock = clock
@@ -162,31 +174,38 @@ class Batcher(Generic[P]):
         self._accepting = True
         self._stopping = False
         self._busy = False
-        self._running: list[Item[P]] = []  # the items of the batches in flight (one, or two pipelined)
+        self._running: list[Item[P]] = []  # the items of the batches in flight (one per worker, two pipelined)
+        self._wide: list[Item[P]] | None = None  # the wide batch running (workers > 1), if one is
         self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
         self._calls: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()  # see call()
-        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+        self._threads = [
+            threading.Thread(target=self._run, args=(i,), name=thread_name if workers == 1 else f"{thread_name}-{i}",
+                             daemon=True)
+            for i in range(workers)
+        ]
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- event-loop side -------------------------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the model thread, between batches, and return what it returns (or raise what it
-        raises). For the model's setup (load, warm-up): every forward then runs on one thread. With
-        OpenMP (PyTorch on CPU), each thread that runs a parallel region gets a team of worker threads,
-        and once there are more of those than cores libgomp stops its workers spinning between regions:
-        a second torch thread made a 1 x 128 forward about 30% slower (bench/RESULTS.md)."""
+        """Run `fn` on the (lead) model thread, between batches, and return what it returns (or raise
+        what it raises). For the model's setup (load, warm-up): every wide forward then runs on the
+        same thread. With OpenMP (PyTorch on CPU), each thread that runs a parallel region gets a team
+        of worker threads, and once there are more of those than cores libgomp stops its workers
+        spinning between regions: a second torch thread made a 1 x 128 forward about 30% slower
+        (bench/RESULTS.md). A narrow forward on one thread starts no team."""
         assert self._loop is not None, "Batcher.start() was not called. This is a bug."
         future: asyncio.Future[T] = self._loop.create_future()
         with self._cond:
             if self._stopping:
                 raise ShuttingDown("server shutting down")
             self._calls.append((fn, future))
-            self._cond.notify()
+            self._wake()
         return await future
 
     def submit(self, requests: Sequence[Request[P]], deadline: float) -> list[Item[P]]:
@@ -211,7 +230,7 @@ class Batcher(Generic[P]):
             self._queued_items += len(items)
             self._queued_tokens += tokens
             self._observer.on_queue(self._queued_items, self._queued_tokens)
-            self._cond.notify()
+            self._wake()
         return items
 
     def cancel(self, items: Sequence[Item[P]]) -> None:
@@ -240,7 +259,8 @@ class Batcher(Generic[P]):
 
     @property
     def model_thread_alive(self) -> bool:
-        return self._thread.is_alive()
+        """Whether any model thread still runs (after `aclose`, one may be stuck in a forward)."""
+        return any(thread.is_alive() for thread in self._threads)
 
     @property
     def idle(self) -> bool:
@@ -278,14 +298,22 @@ class Batcher(Generic[P]):
         if leftover:
             self._observer.on_dropped("shutting_down", len(leftover))
         end = None if join_timeout is None else self._clock() + join_timeout
-        while self._thread.is_alive() and (end is None or self._clock() < end):
+        while self.model_thread_alive and (end is None or self._clock() < end):
             await asyncio.sleep(0.005)
         with self._cond:
-            running = list(self._running) if self._thread.is_alive() else []
+            running = list(self._running) if self.model_thread_alive else []
         for item in running:  # counted in its batch already
             _settle(item.future, ShuttingDown("request aborted: server shutting down; retry on another replica"))
 
     # -- model-thread side -----------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """Under `_cond`: something changed that a waiting model thread may act on. With several workers
+        all wake: a notified follower may leave the batch to the lead (see `_next_batch`)."""
+        if len(self._threads) == 1:
+            self._cond.notify()
+        else:
+            self._cond.notify_all()
 
     def _remove(self, item: Item[P]) -> None:
         queue = self._queues[item.request.key]
@@ -327,14 +355,14 @@ class Batcher(Generic[P]):
                 hold = oldest.enqueued_at + self._limits.max_wait_ms / 1e3 - now
         return batch, max(hold, 0.0)
 
-    def _next_batch(self, wait: bool = True) -> list[Item[P]] | None:
-        """The next batch, marked running; None when stopping, or (with `wait` false) when none is
-        ready now: nothing queued, or the choice would hold the batch open."""
+    def _next_batch(self, worker: int = 0, wait: bool = True) -> list[Item[P]] | None:
+        """The next batch for `worker`, marked running; None when stopping, or (with `wait` false) when
+        none is ready now: nothing queued, or the choice would hold the batch open."""
         with self._cond:
             while True:
                 if self._stopping:
                     return None
-                if wait and self._calls:
+                if wait and worker == 0 and self._calls:
                     return []  # the caller runs them first (_run_calls)
                 now = self._clock()
                 expired = self._take_expired(now)
@@ -342,38 +370,43 @@ class Batcher(Generic[P]):
                     self._observer.on_dropped("deadline", len(expired))
                     self._settle_all([(i.future, DeadlineExceeded("deadline exceeded while queued"))
                                       for i in expired])
-                if not self._queues:
-                    self._observer.on_queue(0, 0)
+                if not self._queues or self._wide is not None:
+                    if not self._queues:
+                        self._observer.on_queue(0, 0)
                     if not wait:
                         return None
                     self._cond.wait()
                     continue
                 batch, hold = self._choose(now)
-                if hold > 0:
+                alone = not self._running and len(batch) == self._queued_items
+                if hold > 0 or (alone and worker > 0):
+                    # A batch that would run alone is the lead's to run wide; a follower leaves it.
                     if not wait:
                         return None
-                    self._cond.wait(timeout=hold)
+                    self._cond.wait(timeout=hold or None)
                     continue
                 for item in batch:
                     self._remove(item)
                     item.state = "running"
                 self._running = [*self._running, *batch]
                 self._busy = True
+                if alone and len(self._threads) > 1:
+                    self._wide = batch
                 self._observer.on_queue(self._queued_items, self._queued_tokens)
                 return batch
 
-    def _run(self) -> None:
+    def _run(self, worker: int) -> None:
         flight: _Flight[P] | None = None  # launched, not yet finished (pipelined only)
         while True:
             if flight is None:
-                batch = self._next_batch()
+                batch = self._next_batch(worker)
                 if batch is None:
                     self._fail_calls()
                     return
                 if not batch:
                     self._run_calls()
                     continue
-                if self._pipeline is not None and self._pipeline.pipelined:
+                if self._pipeline is not None and self._pipeline.pipelined and len(self._threads) == 1:
                     flight = self._launch(batch)
                 else:
                     self._run_batch(batch)
@@ -382,7 +415,7 @@ class Batcher(Generic[P]):
             # overlap N's device work; never wait for arrivals, which would delay delivering N. After a
             # failed launch nothing else is launched until that batch has been run the ordinary way.
             following = None
-            if flight.error is None and (batch := self._next_batch(wait=False)) is not None:
+            if flight.error is None and (batch := self._next_batch(worker, wait=False)) is not None:
                 following = self._launch(batch)
             self._finish(flight)
             flight = following
@@ -405,6 +438,8 @@ class Batcher(Generic[P]):
         self._settle_all([(future, ShuttingDown("server shutting down")) for _, future in calls])
 
     def _run_batch(self, batch: list[Item[P]]) -> None:
+        if self._set_wide is not None:
+            self._set_wide(batch is self._wide)
         started = self._clock()
         self._on_batch(batch, started)
         self._deliver(batch, started, lambda: self._execute([item.request.payload for item in batch]))
@@ -442,14 +477,21 @@ class Batcher(Generic[P]):
 
     def _deliver(self, batch: list[Item[P]], started: float,
                  run: Callable[[], tuple[Sequence[Any], float]]) -> None:
-        """Run the batch's computation, resolve its futures, and retire it, whatever happens."""
+        """Run the batch's computation, retire it, and resolve its futures, whatever happens. Retired
+        first: a caller's next request, which can follow its answer at once, must find the batch gone
+        (or a follower would take a lone batch narrow, see `_next_batch`)."""
+        outcomes: list[tuple[asyncio.Future[Done], Any]] = []
         try:
-            self._settle_all(self._outcomes(batch, started, run))
+            outcomes = self._outcomes(batch, started, run)
         finally:
             with self._cond:
                 done = set(batch)
                 self._running = [item for item in self._running if item not in done]
                 self._busy = bool(self._running)
+                if self._wide is batch:
+                    self._wide = None
+                    self._cond.notify_all()  # the followers may start again
+        self._settle_all(outcomes)
 
     def _outcomes(self, batch: list[Item[P]], started: float,
                   run: Callable[[], tuple[Sequence[Any], float]]) -> list[tuple[asyncio.Future[Done], Any]]:

@@ -1,5 +1,5 @@
 """Where and in what precision the model runs: the device and precision a config's `auto` resolves to,
-and the defaults that depend on them (intra-op threads, the batch token budget)."""
+and the defaults that depend on them (intra-op threads, model workers, the batch token budget)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,22 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def is_cuda(device: str) -> bool:
+    """Whether `device` as configured (auto | cpu | cuda) runs on a GPU."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def default_batch_tokens(device: str) -> int:
-    """The token budget when the config says 0 (`device` as configured: auto | cpu | cuda). On CPU,
-    forwards are most efficient per token at about 2048 tokens (bench/RESULTS.md); a GPU wants more."""
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    return 16384 if cuda else 2048
+    """The token budget when the config says 0. On this project's CPU, batches of 1024 tokens (8 x 128)
+    ran as fast per token as 2048 on two threads and faster on one, which each of two workers has
+    (bench/RESULTS.md); a GPU wants more."""
+    return 16384 if is_cuda(device) else 1024
+
+
+def default_workers(device: str, threads: int) -> int:
+    """Model workers when the config says 0: two on a CPU with two or more threads (two narrow forwards
+    side by side beat one wide one under load, bench/RESULTS.md), one on a GPU (pipelined instead)."""
+    return 1 if is_cuda(device) or threads < 2 else 2
 
 
 def resolve_device(name: str) -> torch.device:

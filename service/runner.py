@@ -57,8 +57,10 @@ class Runner:
     """Owns the model. `load()` and `warmup()` run once before serving; then per batch `execute()`, or
     `launch()` and `finish()` when `pipelined`."""
 
-    def __init__(self, config: ServiceConfig, bundle_dir: str, observer: RunnerObserver) -> None:
+    def __init__(self, config: ServiceConfig, bundle_dir: str, observer: RunnerObserver, workers: int = 1) -> None:
         self._config = config
+        self._threads = config.torch_threads or default_threads()
+        self._narrow_threads = max(1, self._threads // workers)  # a batch's share beside other workers' batches
         self._bundle_dir = bundle_dir
         self._observer = observer
         self.device = resolve_device(config.device)
@@ -71,7 +73,7 @@ class Runner:
 
     def load(self) -> ModelSpec:
         if self.device.type == "cpu":
-            torch.set_num_threads(self._config.torch_threads or default_threads())
+            torch.set_num_threads(self._threads)
         bundle = load_bundle(self._bundle_dir, device=str(self.device), dtype=DTYPES[self.precision])
         self._module = bundle.module
         if self.precision != "fp32" and self._config.nonfinite_policy == "retry":
@@ -105,6 +107,13 @@ class Runner:
         if self._fp32_module is not None:
             self._forward(self._fp32_module, [Job(ids[:8], None)])
 
+    def set_wide(self, wide: bool) -> None:
+        """On the thread about to run a batch: all the intra-op threads (it runs alone) or one worker's
+        share. OpenMP keeps the setting per thread, so each model thread sets its own."""
+        threads = self._threads if wide else self._narrow_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
     @property
     def pipelined(self) -> bool:
         """Whether the batcher should overlap batches through `launch`/`finish` rather than `execute`.
@@ -116,6 +125,8 @@ class Runner:
     def execute(self, jobs: list[Job]) -> tuple[list[Output | ServiceError], float]:
         started = time.perf_counter()
         outputs = self._run_split(jobs)
+        if not self.pipelined:  # several workers may run batches at once: each counts its own time
+            return outputs, time.perf_counter() - started
         return outputs, self._busy_since(started)
 
     def launch(self, jobs: list[Job]) -> Launched:

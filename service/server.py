@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from model.default import ensure_default_bundle
 from service.batcher import Batcher, BatchLimits
 from service.config import ServiceConfig
-from service.device import default_batch_tokens
+from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
 from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
 from service.jobs import Job
@@ -68,13 +68,17 @@ class Server:
         self.hooks = Hooks.from_config(config)
         self.runner: Runner | None = None
         self.max_batch_tokens = config.max_batch_tokens or default_batch_tokens(config.device)
+        self.workers = config.model_workers or default_workers(config.device, config.torch_threads or default_threads())
+        if self.workers > 1 and is_cuda(config.device):
+            raise ValueError("model_workers > 1 is for CPUs; on cuda one worker pipelines its batches")
         limits = BatchLimits(
             max_batch_tokens=self.max_batch_tokens, max_batch_size=config.max_batch_size,
             max_wait_ms=config.max_wait_ms, max_age_ms=config.max_age_ms,
             max_queue_tokens=config.max_queue_tokens, max_queue_requests=config.max_queue_requests,
         )
         self.batcher: Batcher[Job] = Batcher(self._execute, limits, observer=self.metrics,
-                                             admit_delay_s=self.hooks.after_admit, pipeline=self)
+                                             admit_delay_s=self.hooks.after_admit, pipeline=self,
+                                             workers=self.workers, set_wide=self._set_wide)
         self.servicer = AttentionServicer(config, self.batcher, self.state, self.metrics)
         interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
         tokens = load_tokens(config)
@@ -125,6 +129,10 @@ class Server:
         self.hooks.pause("before_scatter")
         return result
 
+    def _set_wide(self, wide: bool) -> None:
+        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
+        self.runner.set_wide(wide)
+
     @property
     def pipelined(self) -> bool:
         return self.runner is not None and self.runner.pipelined
@@ -163,8 +171,8 @@ class Server:
         config = self.config
         await self.hooks.apause("before_ready")
         bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
-        runner = Runner(config, bundle_dir, self.metrics)
-        # On the model thread, like every forward after them: one thread runs torch (Batcher.call).
+        runner = Runner(config, bundle_dir, self.metrics, self.workers)
+        # On the lead model thread, which runs every wide forward after them (Batcher.call).
         spec = await self.batcher.call(runner.load)
         if spec.max_length > self.max_batch_tokens:
             raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is below the model's "

@@ -263,13 +263,15 @@ def test_choose_window_respects_limits_and_anchor(lengths, budget, size, anchor_
         assert lo <= anchor <= hi
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(st.tuples(st.integers(1, 40), st.sampled_from(["keep", "cancel", "expire"])),
                     min_size=1, max_size=30))
-def test_every_item_gets_exactly_one_outcome(ops):
+def test_every_item_gets_exactly_one_outcome(workers, ops):
     async def scenario() -> None:
         model = FakeModel()
-        batcher: Batcher[int] = Batcher(model, BatchLimits(max_batch_tokens=64, max_batch_size=4))
+        batcher: Batcher[int] = Batcher(model, BatchLimits(max_batch_tokens=64, max_batch_size=4),
+                                        workers=workers, set_wide=lambda wide: None)
         batcher.start()
         model.gate.clear()
         items = []

@@ -285,13 +285,15 @@ async def test_not_serving_until_warm_then_serving(start_server, tmp_path):
     assert (info_.name, info_.d_model, info_.n_layers, info_.max_length) == ("attention-reference", 256, 4, 512)
 
 
-async def test_the_model_is_loaded_and_warmed_on_the_thread_that_runs_every_forward(start_server, monkeypatch):
-    # One thread runs torch: a second OpenMP master made small forwards ~30% slower (Batcher.call).
+async def test_the_model_is_loaded_and_warmed_on_the_thread_that_runs_every_wide_forward(start_server, monkeypatch):
+    # The lead model thread loads, warms and runs every batch that runs alone with all the cores: a
+    # second OpenMP master with a team of its own made small forwards ~30% slower (Batcher.call).
     import threading
 
     from service.runner import Runner
 
     threads: dict[str, str] = {}
+    widths: list[tuple[str, bool]] = []
     for name in ("load", "warmup", "execute"):
         original = getattr(Runner, name)
 
@@ -300,6 +302,10 @@ async def test_the_model_is_loaded_and_warmed_on_the_thread_that_runs_every_forw
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(Runner, name, spy)
-    s = await start_server()
+    set_wide = Runner.set_wide
+    monkeypatch.setattr(Runner, "set_wide", lambda self, wide: (
+        widths.append((threading.current_thread().name, wide)), set_wide(self, wide)))
+    s = await start_server(model_workers=2)
     await s.stub.Encode(ids_request(np.arange(5)), timeout=10)
-    assert threads == {"load": "model-runner", "warmup": "model-runner", "execute": "model-runner"}
+    assert threads == {"load": "model-runner-0", "warmup": "model-runner-0", "execute": "model-runner-0"}
+    assert widths == [("model-runner-0", True)]

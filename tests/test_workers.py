@@ -1,0 +1,136 @@
+"""Several model workers (service/batcher.py docstring, "Workers"): a batch that runs alone is wide and
+runs on the lead; a backlog runs narrow batches side by side; only the lead runs `call()`s.
+
+A fake `execute` with a gate holds the model threads, so what runs at once is exact, not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from service.batcher import Batcher, BatchLimits, Request
+from service.errors import ShuttingDown
+
+
+class TwoLaneModel:
+    """Records (thread, wide, payloads) per batch and the most batches that ran at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.gate = threading.Event()
+        self.running = 0
+        self.most_running = 0
+        self.batches: list[tuple[str, bool, list[int]]] = []
+        self._wide: dict[str, bool] = {}
+
+    def set_wide(self, wide: bool) -> None:
+        self._wide[threading.current_thread().name] = wide
+
+    def __call__(self, payloads: list[int]) -> tuple[list[object], float]:
+        name = threading.current_thread().name
+        with self.lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            self.batches.append((name, self._wide[name], list(payloads)))
+        try:
+            assert self.gate.wait(10), "the test never opened the gate"
+            return [p * 2 for p in payloads], 0.001
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    async def until(self, running: int) -> None:
+        """Wait (bounded) until `running` batches are inside the model."""
+        end = time.monotonic() + 10
+        while self.running != running:
+            assert time.monotonic() < end, f"{self.running} batches running, expected {running}"
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+async def two_workers():
+    made: list[Batcher[int]] = []
+
+    def make(**limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
+        model = TwoLaneModel()
+        batcher: Batcher[int] = Batcher(model, BatchLimits(**limits), workers=2,  # type: ignore[arg-type]
+                                        set_wide=model.set_wide)
+        batcher.start()
+        made.append(batcher)
+        return model, batcher
+
+    yield make
+    for batcher in made:
+        await batcher.aclose(join_timeout=10)
+
+
+def req(payload: int, length: int = 10) -> Request[int]:
+    return Request(payload, length, "k")
+
+
+def far() -> float:
+    return time.monotonic() + 30
+
+
+async def test_a_lone_batch_runs_wide_on_the_lead_and_nothing_starts_beside_it(two_workers):
+    model, batcher = two_workers()
+    first = batcher.submit([req(1)], far())[0]
+    await model.until(1)
+    later = [batcher.submit([req(i)], far())[0] for i in (2, 3)]
+    await asyncio.sleep(0.05)  # a follower that wrongly started would be inside the model by now
+    assert model.running == 1 and not any(item.future.done() for item in later)
+    model.gate.set()
+    results = await asyncio.gather(first.future, *(item.future for item in later))
+    assert [r.output for r in results] == [2, 4, 6]
+    assert model.batches == [("model-runner-0", True, [1]), ("model-runner-0", True, [2, 3])]
+    assert model.most_running == 1
+
+
+async def test_a_backlog_runs_narrow_batches_side_by_side(two_workers):
+    model, batcher = two_workers(max_batch_size=2)
+    items = batcher.submit([req(i) for i in range(6)], far())  # one call: a backlog at once
+    await model.until(2)
+    assert {(name, wide) for name, wide, _ in model.batches} == {("model-runner-0", False),
+                                                                  ("model-runner-1", False)}
+    model.gate.set()
+    results = await asyncio.gather(*(item.future for item in items))
+    assert [r.output for r in results] == [2 * i for i in range(6)]
+    assert sorted(p for _, _, batch in model.batches for p in batch) == list(range(6))
+    assert all(len(batch) <= 2 for _, _, batch in model.batches)
+    assert model.most_running == 2
+
+
+async def test_only_the_lead_runs_calls_and_a_follower_needs_set_wide(two_workers):
+    model, batcher = two_workers()
+    names = [await batcher.call(lambda: threading.current_thread().name) for _ in range(5)]
+    assert names == ["model-runner-0"] * 5
+    with pytest.raises(ValueError, match="set_wide"):
+        Batcher(model, BatchLimits(), workers=2)  # type: ignore[arg-type]
+
+
+async def test_aclose_fails_both_running_batches_when_their_forwards_hang(two_workers):
+    model, batcher = two_workers(max_batch_size=1)
+    items = batcher.submit([req(i) for i in range(3)], far())
+    await model.until(2)
+    await batcher.aclose(join_timeout=0.05)
+    outcomes = await asyncio.gather(*(item.future for item in items), return_exceptions=True)
+    assert all(isinstance(o, ShuttingDown) for o in outcomes), outcomes
+    model.gate.set()  # the abandoned threads end; their late results are ignored
+    for _ in range(200):
+        if not batcher.model_thread_alive:
+            break
+        await asyncio.sleep(0.01)
+    assert not batcher.model_thread_alive
+
+
+async def test_one_caller_in_turn_always_runs_wide_on_the_lead(two_workers):
+    # Concurrency 1: each request follows the previous answer and runs alone, so with all the cores.
+    model, batcher = two_workers()
+    model.gate.set()
+    for i in range(30):
+        assert (await batcher.submit([req(i)], far())[0].future).output == 2 * i
+    assert {(name, wide) for name, wide, _ in model.batches} == {("model-runner-0", True)}
