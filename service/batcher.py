@@ -258,6 +258,17 @@ class Batcher(Generic[P]):
             self._accepting = False
 
     @property
+    def limits(self) -> BatchLimits:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: BatchLimits) -> None:
+        """New limits (the server raises a default token budget to the loaded model's max_length);
+        the next batch chosen sees them."""
+        with self._cond:
+            self._limits = limits
+
+    @property
     def model_thread_alive(self) -> bool:
         """Whether any model thread still runs (after `aclose`, one may be stuck in a forward)."""
         return any(thread.is_alive() for thread in self._threads)

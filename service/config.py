@@ -54,7 +54,7 @@ class ServiceConfig:
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
     # Batching
     max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length "
-                                    "(0 = by device: 1024 on cpu, 16384 on cuda)")
+                                    "(0 = by device: 1024 on cpu, 16384 on cuda, at least the model's max_length)")
     max_batch_size: int = _opt(64, "most sequences in one batch")
     max_wait_ms: float = _opt(0.0, "hold a not-full batch open up to this long to grow it (0 = never wait)")
     max_age_ms: float = _opt(500.0, "a sequence queued this long is batched next, whatever its length")
@@ -108,8 +108,6 @@ class ServiceConfig:
             _check(name, getattr(self, name), 1, None)
         _check("torch_threads", self.torch_threads, 0, None)
         _check("model_workers", self.model_workers, 0, None)
-        if self.model_workers > 1 and self.device == "cuda":
-            raise ValueError("model_workers > 1 is for CPUs; on cuda one worker pipelines its batches")
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)
         _check("default_timeout_s", self.default_timeout_s, 1e-3, None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -175,8 +176,12 @@ class Server:
         # On the lead model thread, which runs every wide forward after them (Batcher.call).
         spec = await self.batcher.call(runner.load)
         if spec.max_length > self.max_batch_tokens:
-            raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is below the model's "
-                             f"max_length ({spec.max_length}): a longest sequence could never be batched")
+            if config.max_batch_tokens:
+                raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is below the model's "
+                                 f"max_length ({spec.max_length}): a longest sequence could never be batched")
+            # The device's default budget is for the reference model; one sequence must always fit.
+            self.max_batch_tokens = spec.max_length
+            self.batcher.limits = dataclasses.replace(self.batcher.limits, max_batch_tokens=spec.max_length)
         if config.warmup:
             await self.batcher.call(lambda: runner.warmup(self.max_batch_tokens, config.max_batch_size))
         self.runner = runner

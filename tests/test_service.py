@@ -16,6 +16,7 @@ from client.tensors import from_tensor, to_tensor
 from model import faults
 from proto.attention.v1 import attention_pb2 as pb
 from service.servicer import SERVICE_NAME
+from tests import conftest
 from tests.conftest import Running, ids_request
 
 
@@ -309,3 +310,32 @@ async def test_the_model_is_loaded_and_warmed_on_the_thread_that_runs_every_wide
     await s.stub.Encode(ids_request(np.arange(5)), timeout=10)
     assert threads == {"load": "model-runner-0", "warmup": "model-runner-0", "execute": "model-runner-0"}
     assert widths == [("model-runner-0", True)]
+
+
+async def test_the_default_token_budget_grows_to_the_models_max_length(start_server, tmp_path):
+    # The CPU default (1024 tokens) is sized for the reference model; a model with longer sequences must
+    # still serve its longest one. A budget set explicitly below max_length is a configuration error.
+    import dataclasses
+
+    from model.bundle import save_bundle
+    from model.config import TINY
+    from model.encoder import Encoder
+
+    long = tmp_path / "long"
+    save_bundle(Encoder(dataclasses.replace(TINY, max_length=1100)).init_weights(0), long, name="long",
+                version="1", source="seed:0")
+    s = await start_server(bundle=long, max_batch_tokens=0)
+    assert s.server.batcher.limits.max_batch_tokens == 1100
+    reply = await s.stub.Encode(ids_request(np.arange(1100) % 100), timeout=30)
+    assert from_tensor(reply.outputs[0].hidden).shape == (1100, 32)
+    with pytest.raises(ValueError, match=r"max_batch_tokens \(1024\) is below the model's max_length \(1100\)"):
+        await start_server(bundle=long, max_batch_tokens=1024)
+
+
+def test_model_workers_are_refused_on_cuda(tiny_bundle):
+    from prometheus_client import CollectorRegistry
+
+    from service.server import build_server
+
+    with pytest.raises(ValueError, match="model_workers > 1 is for CPUs"):
+        build_server(conftest.test_config(tiny_bundle, device="cuda", model_workers=2), CollectorRegistry())
