@@ -92,8 +92,10 @@ async def test_reduced_precision_outputs_are_the_fp32_outputs_rounded(served: Ru
         reduced = await c.encode(sequences, pooling="mean", output_dtype=dtype)
     for exact, rounded in zip(full.hidden + full.pooled, reduced.hidden + reduced.pooled, strict=True):
         assert rounded.dtype == np.float32  # widened on arrival
-        # Round to nearest: off by at most half a unit in the last place, i.e. |x| * 2^-bits.
-        np.testing.assert_allclose(rounded, exact, rtol=2.0**-significant_bits, atol=1e-7)
+        # Round to nearest: off by at most half a unit in the last place, i.e. |x| * 2^-bits. The two calls
+        # are two forwards, which may differ in the last bits of fp32 (batched differently, or one run
+        # narrow by a second model worker): atol covers that, near zero where the rtol bound vanishes.
+        np.testing.assert_allclose(rounded, exact, rtol=2.0**-significant_bits, atol=1e-6)
         assert not np.array_equal(rounded, exact)  # it really travelled in reduced precision
         if dtype == "float16":
             np.testing.assert_array_equal(rounded.astype(np.float16).astype(np.float32), rounded)
