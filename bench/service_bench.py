@@ -140,9 +140,10 @@ class InProcess:
         return self._seq_s(self._sorted_batches(self.best_budget), self.mixed_workers, reps=1)
 
 
-def run_one(target: str, concurrency: int, lengths: tuple[int, int], duration: float, warmup: float) -> BenchReport:
+def run_one(target: str, concurrency: int, lengths: tuple[int, int], duration: float, warmup: float,
+            stream: bool = False) -> BenchReport:
     return asyncio.run(run_load(target, concurrency=concurrency, duration_s=duration, warmup_s=warmup,
-                                lengths=lengths, seed=concurrency, pool_size=512))
+                                lengths=lengths, seed=concurrency, pool_size=512, stream=stream))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads for the ceiling and the server (0 = the server's default)")
+    parser.add_argument("--stream", action="store_true",
+                        help="callers send over one EncodeStream per connection instead of unary Encode calls")
     parser.add_argument("--workers", type=int, default=0,
                         help="the server's model workers, also tried by the ceiling (0 = the server's default)")
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for the server (repeat)")
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                     target = batching and concurrency in (min(args.concurrency), max(args.concurrency))
                     for round_ in range(args.rounds if target else 1):
                         before = roof.measure(lengths, concurrency)
-                        report = run_one(server.target, concurrency, lengths, args.duration, args.warmup)
+                        report = run_one(server.target, concurrency, lengths, args.duration, args.warmup,
+                                         args.stream)
                         after = roof.measure(lengths, concurrency)
                         bar = (before + after) / 2
                         best = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "workers": workers,
-            "command": " ".join(sys.argv)}
+            "calls": "EncodeStream" if args.stream else "unary Encode", "command": " ".join(sys.argv)}
     payload = {"meta": meta, "ceilings": [vars(c) for c in searched], "runs": results}
     (args.out / "service_bench.json").write_text(json.dumps(payload, indent=1))
     table = markdown(meta, searched, results)
@@ -249,7 +253,7 @@ def _machine() -> str:
 
 def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[str, Any]]) -> str:
     lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads, "
-             f"{meta['workers']} model workers; `{meta['command']}`", "",
+             f"{meta['workers']} model workers; load over {meta['calls']}; `{meta['command']}`", "",
              "The ceiling search (in process, once per precision, at the start):", "",
              "| precision | fixed 128 seq/s (best batch, workers) | mixed 16..256 seq/s (best budget, workers) "
              "| batch-1 ms fixed / mixed |",
