@@ -109,7 +109,8 @@ class BatchObserver(Protocol):
     """Where the batcher reports what it does (service/metrics.py implements it)."""
 
     def on_queue(self, sequences: int, tokens: int) -> None: ...
-    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float]) -> None: ...
+    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float],
+                 wide: bool) -> None: ...
     def on_dropped(self, reason: str, count: int) -> None: ...
 
 
@@ -117,7 +118,8 @@ class _NullObserver:
     def on_queue(self, sequences: int, tokens: int) -> None:
         pass
 
-    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float]) -> None:
+    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float],
+                 wide: bool) -> None:
         pass
 
     def on_dropped(self, reason: str, count: int) -> None:
@@ -484,7 +486,8 @@ class Batcher(Generic[P]):
     def _on_batch(self, batch: list[Item[P]], started: float) -> None:
         padded = max(item.request.length for item in batch)
         queue_s = [started - item.enqueued_at for item in batch]
-        self._observer.on_batch(len(batch), padded, sum(i.request.length for i in batch), queue_s)
+        wide = len(self._threads) == 1 or batch is self._wide  # one worker: every batch has every thread
+        self._observer.on_batch(len(batch), padded, sum(i.request.length for i in batch), queue_s, wide)
 
     def _deliver(self, batch: list[Item[P]], started: float,
                  run: Callable[[], tuple[Sequence[Any], float]]) -> None:

@@ -61,6 +61,9 @@ class Metrics:
             "attention_failures_total", "Failed calls by reason", ["reason"], registry=r)
         self.dropped = Counter(
             "attention_dropped_total", "Queued sequences dropped before compute, by reason", ["reason"], registry=r)
+        self.batches = Counter(
+            "attention_batches_total", "Batches run, by width: wide (every intra-op thread) or narrow (one model "
+            "worker's share, beside another worker's batch)", ["width"], registry=r)
         self.batch_splits = Counter(
             "attention_batch_splits_total", "Batches split and retried, by reason (oom | error)", ["reason"],
             registry=r)
@@ -82,7 +85,9 @@ class Metrics:
         self.queue_depth.set(sequences)
         self.queue_tokens.set(tokens)
 
-    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float]) -> None:
+    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float],
+                 wide: bool) -> None:
+        self.batches.labels("wide" if wide else "narrow").inc()
         self.batch_size.observe(size)
         self.batch_tokens.observe(size * padded_length)
         self.padding_ratio.observe(size * padded_length / max(real_tokens, 1))

@@ -62,6 +62,7 @@ COUNTERS: dict[str, set[str]] = {
     "attention_nonfinite_inputs_total": set(),
     "attention_failures_total": {"reason"},
     "attention_dropped_total": {"reason"},
+    "attention_batches_total": {"width"},
     "grpc_server_started_total": {"grpc_type", "grpc_service", "grpc_method"},
     "grpc_server_handled_total": {"grpc_type", "grpc_service", "grpc_method", "grpc_code"},
 }

@@ -38,6 +38,7 @@ PINNED = {
     "attention_failures": ("counter", {"reason"}),
     "attention_dropped": ("counter", {"reason"}),
     "attention_batch_splits": ("counter", {"reason"}),
+    "attention_batches": ("counter", {"width"}),
     "grpc_server_started": ("counter", {"grpc_type", "grpc_service", "grpc_method"}),
     "grpc_server_handled": ("counter", {"grpc_type", "grpc_service", "grpc_method", "grpc_code"}),
     "grpc_server_handling_seconds": ("histogram", {"grpc_type", "grpc_service", "grpc_method"}),

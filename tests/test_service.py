@@ -310,6 +310,8 @@ async def test_the_model_is_loaded_and_warmed_on_the_thread_that_runs_every_wide
     await s.stub.Encode(ids_request(np.arange(5)), timeout=10)
     assert threads == {"load": "model-runner-0", "warmup": "model-runner-0", "execute": "model-runner-0"}
     assert widths == [("model-runner-0", True)]
+    assert s.sample("attention_batches_total", {"width": "wide"}) == 1
+    assert s.sample("attention_batches_total", {"width": "narrow"}) == 0
 
 
 async def test_the_default_token_budget_grows_to_the_models_max_length(start_server, tmp_path):

@@ -51,14 +51,31 @@ class TwoLaneModel:
             await asyncio.sleep(0.005)
 
 
+class Widths:
+    """A BatchObserver that keeps the width each batch was reported with."""
+
+    def __init__(self) -> None:
+        self.reported: list[bool] = []
+
+    def on_queue(self, sequences: int, tokens: int) -> None:
+        pass
+
+    def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: object, wide: bool) -> None:
+        self.reported.append(wide)
+
+    def on_dropped(self, reason: str, count: int) -> None:
+        pass
+
+
 @pytest.fixture
 async def two_workers():
     made: list[Batcher[int]] = []
 
     def make(**limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
         model = TwoLaneModel()
+        model.widths = Widths()  # type: ignore[attr-defined]
         batcher: Batcher[int] = Batcher(model, BatchLimits(**limits), workers=2,  # type: ignore[arg-type]
-                                        set_wide=model.set_wide)
+                                        set_wide=model.set_wide, observer=model.widths)  # type: ignore[attr-defined]
         batcher.start()
         made.append(batcher)
         return model, batcher
@@ -88,6 +105,7 @@ async def test_a_lone_batch_runs_wide_on_the_lead_and_nothing_starts_beside_it(t
     assert [r.output for r in results] == [2, 4, 6]
     assert model.batches == [("model-runner-0", True, [1]), ("model-runner-0", True, [2, 3])]
     assert model.most_running == 1
+    assert model.widths.reported == [True, True]  # what attention_batches_total{width} counts
 
 
 async def test_a_backlog_runs_narrow_batches_side_by_side(two_workers):
@@ -102,6 +120,7 @@ async def test_a_backlog_runs_narrow_batches_side_by_side(two_workers):
     assert sorted(p for _, _, batch in model.batches for p in batch) == list(range(6))
     assert all(len(batch) <= 2 for _, _, batch in model.batches)
     assert model.most_running == 2
+    assert model.widths.reported[:2] == [False, False]
 
 
 async def test_only_the_lead_runs_calls_and_a_follower_needs_set_wide(two_workers):
