@@ -35,7 +35,7 @@ AGE_SLACK_S = 0.01
 
 
 class WindowLimits(Protocol):
-    """What the policy reads of service.batcher.BatchLimits."""
+    """What the policy reads of service.batch_types.BatchLimits."""
 
     @property
     def max_batch_tokens(self) -> int: ...
