@@ -381,16 +381,17 @@ class Batcher(Generic[P]):
         self._settle_all([(future, ShuttingDown("server shutting down")) for _, future in calls])
 
     def _run_batch(self, batch: list[Item[P]]) -> None:
+        wide = len(self._threads) == 1 or batch is self._wide  # one worker: every batch has every thread
         if self._set_wide is not None:
-            self._set_wide(batch is self._wide)
+            self._set_wide(wide)
         started = self._clock()
-        self._on_batch(batch, started)
+        self._on_batch(batch, started, wide)
         self._deliver(batch, started, lambda: self._execute([item.request.payload for item in batch]))
 
     def _launch(self, batch: list[Item[P]]) -> _Flight[P]:
         assert self._pipeline is not None
         started = self._clock()
-        self._on_batch(batch, started)
+        self._on_batch(batch, started, wide=True)  # pipelined: one worker
         try:
             return _Flight(batch, started, self._pipeline.launch([item.request.payload for item in batch]))
         except Exception as exc:  # noqa: BLE001 - the batch is run through `execute` when finished
@@ -413,10 +414,9 @@ class Batcher(Generic[P]):
                     len(flight.batch), type(error).__name__, error)
         return self._execute([item.request.payload for item in flight.batch])
 
-    def _on_batch(self, batch: list[Item[P]], started: float) -> None:
+    def _on_batch(self, batch: list[Item[P]], started: float, wide: bool) -> None:
         padded = max(item.request.length for item in batch)
         queue_s = [started - item.enqueued_at for item in batch]
-        wide = len(self._threads) == 1 or batch is self._wide  # one worker: every batch has every thread
         self._observer.on_batch(len(batch), padded, sum(i.request.length for i in batch), queue_s, wide)
 
     def _deliver(self, batch: list[Item[P]], started: float,
