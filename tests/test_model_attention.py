@@ -219,8 +219,33 @@ def test_a_mixed_batch_keeps_the_mask_and_equals_each_sequence_alone(encoders: E
     with torch.inference_mode():
         got, _ = module(ids, None, lengths_t, causal, [])
         shapes = _sdpa_mask_shapes(lambda: module(ids, None, lengths_t, causal, []))
-        torch.testing.assert_close(got, _masked_reference(enc, ids, lengths_t, causal), atol=ATOL, rtol=0)
+        want = _masked_reference(enc, ids, lengths_t, causal)
         for row, n in enumerate(lengths):  # each alone is unpadded: the mask-free path
+            torch.testing.assert_close(got[row, :n], want[row, :n], atol=ATOL, rtol=0)
             alone, _ = module(ids[row : row + 1, :n], None, torch.tensor([n]), causal, [])
             torch.testing.assert_close(got[row, :n], alone[0], atol=ATOL, rtol=0)
+            assert not got[row, n:].any()  # padded rows: zeros (packed, they were never computed)
     assert shapes == [[4, 1, 11 if causal else 1, 11]] * enc.n_layers
+
+
+def _linear_rows(fn: Callable[[], object]) -> list[int]:
+    """The number of rows (tokens) every nn.Linear in fn() ran on, read with the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [math.prod(e.input_shapes[0][:-1]) for e in prof.events() if e.name == "aten::linear"]
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
+def test_a_padded_batch_runs_the_position_wise_layers_on_its_real_tokens_only(encoders: Encoders, scripted: bool,
+                                                                            need_weights: bool) -> None:
+    enc, module = encoders[0], encoders[1] if scripted else encoders[0]
+    lengths = [11, 4, 0, 7]
+    ids, lengths_t = batch(enc.config, lengths, seed=9)
+    layers = [0] if need_weights else []
+    with torch.inference_mode():
+        rows = _linear_rows(lambda: module(ids, None, lengths_t, False, layers))
+        full = _linear_rows(lambda: module(ids, None, torch.full((4,), 11), False, layers))
+    # qkv, proj, fc1, fc2 per layer, each on the 22 real tokens rather than 4 x 11
+    assert rows == [sum(lengths)] * (4 * enc.n_layers)
+    assert full == [4 * 11] * (4 * enc.n_layers)
