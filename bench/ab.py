@@ -55,6 +55,18 @@ def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: fl
     return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
 
 
+def default_bundle(source: Path) -> Path:
+    """The built-in reference bundle as `source`'s code scripts it: model.pt holds the model's code, so a
+    variant whose model/ differs must not run the other's bundle (the cache is keyed by that code)."""
+    cache = Path(tempfile.gettempdir()) / "attention-bench-cache"
+    if source.resolve() == ROOT:
+        return ensure_default_bundle(cache)
+    code = f"from model.default import ensure_default_bundle as e; print(e({str(cache)!r}))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=source, env={**os.environ, "PYTHONPATH": str(source)},
+                         check=True, capture_output=True, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 def stop(sides: dict[str, tuple[Any, str]]) -> None:
     for proc, _ in sides.values():
         proc.send_signal(signal.SIGTERM)
@@ -82,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (1 <= args.rounds <= 50 and 0 < args.seconds <= 60):
         parser.error("--rounds must be in 1..50 and --seconds in (0, 60]")
-    model = args.model or ensure_default_bundle(Path(tempfile.gettempdir()) / "attention-bench-cache")
+    models = {side: args.model or default_bundle(getattr(args, f"{side}_source")) for side in ("a", "b")}
 
     def start_side(side: str) -> tuple[Any, str]:
-        return start(model, getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
+        return start(models[side], getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
                      getattr(args, f"{side}_flag"))
 
     rows: dict[str, list[tuple[float, float, float]]] = {"a": [], "b": []}
