@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from model.encoder import Encoder, MultiHeadAttention
+from model.encoder import Encoder, MultiHeadAttention, packing
 from tests.model_helpers import batch, key_mask, stock_mha, tiny
 
 ATOL = 1e-5
@@ -246,6 +246,19 @@ def test_a_padded_batch_runs_the_position_wise_layers_on_its_real_tokens_only(en
     with torch.inference_mode():
         rows = _linear_rows(lambda: module(ids, None, lengths_t, False, layers))
         full = _linear_rows(lambda: module(ids, None, torch.full((4,), 11), False, layers))
+        # one token of padding in 16 x 12: too little to be worth the gathers (PACK_MIN_PADDING)
+        little = _linear_rows(lambda: module(ids.repeat(4, 1)[:, :11], None, torch.tensor([11] * 15 + [10]),
+                                             False, layers))
     # qkv, proj, fc1, fc2 per layer, each on the 22 real tokens rather than 4 x 11
     assert rows == [sum(lengths)] * (4 * enc.n_layers)
     assert full == [4 * 11] * (4 * enc.n_layers)
+    assert little == [16 * 11] * (4 * enc.n_layers)
+
+
+def test_packing_maps_the_grid_to_real_tokens_and_padding_to_a_real_token_of_its_row() -> None:
+    # rows of 3, 0, 5 (past T: full) and 2 tokens in a grid of T = 4
+    tokens, grid = packing(torch.tensor([3, 0, 5, 2]), 4)
+    assert tokens.tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13]
+    # row 0 pads with its last token, the empty row reads the next row's first, the last row its last
+    assert grid.tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 3, 4, 5, 6, 7, 8, 8, 8]
+    assert torch.equal(grid[tokens], torch.arange(9))  # each real position reads its own token

@@ -34,17 +34,22 @@ def run(module: torch.nn.Module, ids: torch.Tensor | None, lengths: torch.Tensor
 
 @settings(max_examples=10, deadline=None)
 @given(
-    lengths=st.lists(st.integers(1, 20), min_size=2, max_size=5),
+    lengths=st.lists(st.integers(0, 20), min_size=2, max_size=5),
     causal=st.booleans(),
     with_weights=st.booleans(),
     seed=st.integers(0, 1000),
 )
 def test_batch_invariance(encoder: Encoder, lengths: list[int], causal: bool, with_weights: bool, seed: int) -> None:
-    """Each sequence alone equals its row in a padded batch with longer ones (real positions)."""
+    """Each sequence alone equals its row in a padded batch with longer ones (real positions); the
+    padded positions are zeros (the batch ran packed: model.encoder.packing), empty rows too."""
     ids, lengths_t = batch(encoder.config, lengths, seed=seed, T=24)
     layers = [0, 1] if with_weights else []
     hidden, weights = run(encoder, ids, lengths_t, causal, layers)
+    assert torch.isfinite(hidden).all() and (weights is None or torch.isfinite(weights).all())
     for b, n in enumerate(lengths):
+        assert max(lengths) == 0 or not hidden[b, n:].any()
+        if n == 0:
+            continue
         alone, alone_w = run(encoder, ids[b:b + 1, :n], lengths_t[b:b + 1], causal, layers)
         torch.testing.assert_close(hidden[b, :n], alone[0], atol=ATOL, rtol=0)
         if with_weights:
