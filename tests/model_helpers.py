@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -91,3 +93,10 @@ def max_errors(config: EncoderConfig, dtype: torch.dtype, lengths: list[int], ca
                 assert got_w is not None and want_w is not None and got_w.dtype == torch.float32
                 weight_err = max(weight_err, float((got_w - want_w).abs().max()))
     return hidden_err, weight_err
+
+
+def linear_rows(fn: Callable[[], object]) -> list[int]:
+    """The number of rows (tokens) every nn.Linear in fn() ran on, read with the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [math.prod(e.input_shapes[0][:-1]) for e in prof.events() if e.name == "aten::linear"]

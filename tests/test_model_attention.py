@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.encoder import Encoder, MultiHeadAttention, packing
-from tests.model_helpers import batch, key_mask, stock_mha, tiny
+from tests.model_helpers import batch, key_mask, linear_rows, stock_mha, tiny
 
 ATOL = 1e-5
 CFG = tiny()
@@ -228,13 +228,6 @@ def test_a_mixed_batch_keeps_the_mask_and_equals_each_sequence_alone(encoders: E
     assert shapes == [[4, 1, 11 if causal else 1, 11]] * enc.n_layers
 
 
-def _linear_rows(fn: Callable[[], object]) -> list[int]:
-    """The number of rows (tokens) every nn.Linear in fn() ran on, read with the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    return [math.prod(e.input_shapes[0][:-1]) for e in prof.events() if e.name == "aten::linear"]
-
-
 @pytest.mark.parametrize("need_weights", [False, True])
 @pytest.mark.parametrize("scripted", [False, True], ids=["eager", "scripted"])
 def test_a_padded_batch_runs_the_position_wise_layers_on_its_real_tokens_only(encoders: Encoders, scripted: bool,
@@ -244,10 +237,10 @@ def test_a_padded_batch_runs_the_position_wise_layers_on_its_real_tokens_only(en
     ids, lengths_t = batch(enc.config, lengths, seed=9)
     layers = [0] if need_weights else []
     with torch.inference_mode():
-        rows = _linear_rows(lambda: module(ids, None, lengths_t, False, layers))
-        full = _linear_rows(lambda: module(ids, None, torch.full((4,), 11), False, layers))
-        # one token of padding in 16 x 12: too little to be worth the gathers (PACK_MIN_PADDING)
-        little = _linear_rows(lambda: module(ids.repeat(4, 1)[:, :11], None, torch.tensor([11] * 15 + [10]),
+        rows = linear_rows(lambda: module(ids, None, lengths_t, False, layers))
+        full = linear_rows(lambda: module(ids, None, torch.full((4,), 11), False, layers))
+        # one token of padding in 16 x 11: too little to be worth the gathers (PACK_MIN_PADDING)
+        little = linear_rows(lambda: module(ids.repeat(4, 1)[:, :11], None, torch.tensor([11] * 15 + [10]),
                                              False, layers))
     # qkv, proj, fc1, fc2 per layer, each on the 22 real tokens rather than 4 x 11
     assert rows == [sum(lengths)] * (4 * enc.n_layers)
