@@ -156,9 +156,9 @@ class EncoderBlock(nn.Module):
         return x, w
 
 
-# A batch runs packed when its padding is at least this share of its real tokens. Packing costs two
-# gathers a layer; in process (REFERENCE, batches of 7, CPU, 1 and 2 threads, 12-16 alternating rounds)
-# it gave 0.98-0.99x at 1.8% padding, 1.06-1.14x at 10% and 1.28x at 40%.
+# A batch runs packed when its padding is at least this share of its real tokens: packing costs two
+# gathers a layer. In process (REFERENCE, batches of 7, CPU, 1 and 2 threads), packing every padded
+# batch gave 0.98-0.99x at 1.8% padding; `python -m bench.packing_bench`: 1.04-1.07x at 9%, 1.28x at 39%.
 PACK_MIN_PADDING = 1.0 / 16
 
 
@@ -167,7 +167,7 @@ def packing(lengths: Tensor, T: int) -> Tuple[Tensor, Tensor]:
 
     tokens (N,): the flat index in (B*T) of each real token, row by row. grid (B*T,): the packed row each
     position of the grid reads: its own token, or for a padding position the last real token of its row
-    (the next row's first for an empty row), so padding holds finite values. Both are gathers
+    (for an empty row the next row's first, or the very last token), so padding holds finite values. Both are gathers
     (index_select): scattering into zeros with index_copy_ was 5x slower on CPU.
     """
     n = lengths.clamp(0, T)
