@@ -9,7 +9,8 @@ memory-efficient) accumulate in fp32.
 Masks are boolean, so no -1e9 literal can overflow fp16 and no two finfo.min terms are ever added.
 A padded batch runs its projections, feed-forwards and LayerNorms on the real tokens only, (N, C)
 rather than (B, T, C): they are about nine tenths of the work at d_ff = 4 d_model and T ~ d_model, so
-padding costs almost only in attention itself (as TEI and FasterTransformer's "remove padding" do).
+padding costs little beyond its share of attention (as TEI and FasterTransformer's "remove padding"
+do): on CPU a padded token costs a fifth to a third of what it did (python -m bench.packing_bench).
 Error against the fp32 module, measured on CPU (AVX2) for TINY and REFERENCE, post-/pre-LN, relu/gelu,
 seeds 0-2, padded batches, both paths (tests/test_model_numerics.py holds the bounds, which
 model.bundle.RELATIVE_ERROR_BOUND also applies at export):
