@@ -294,13 +294,14 @@ class Encoder(nn.Module):
         if self.has_positions:
             x = x + self.pos_emb[:T]  # (B, T, C) + (T, C)
         # Host lengths only: a device tensor would be read by waiting for the device (no pipelining).
-        unpadded = lengths.device.type == "cpu" and bool((lengths >= T).all())
+        # -1 for device lengths: neither unpadded nor packed.
+        real_tokens = int(lengths.clamp(0, T).sum()) if lengths.device.type == "cpu" else -1
+        unpadded = real_tokens == B * T
         positions = torch.arange(T, device=x.device)
         mask = (positions[None, :] < lengths.to(x.device, non_blocking=True)[:, None])[:, None, None, :]  # (B,1,1,T)
         if causal:
             mask = mask & (positions[None, :] <= positions[:, None])  # (B, 1, T, T): key j <= query i
         packed: Optional[Tuple[Tensor, Tensor]] = None
-        real_tokens = int(lengths.clamp(0, T).sum()) if lengths.device.type == "cpu" else 0
         if real_tokens > 0 and B * T - real_tokens >= real_tokens * self.pack_min_padding:
             # Padded, with host lengths: the position-wise layers (projections, feed-forward, LayerNorms)
             # run on the real tokens alone, (N, C); only attention sees the padded grid.
