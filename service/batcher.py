@@ -102,7 +102,9 @@ class Batcher(Generic[P]):
         self._queues: dict[Hashable, list[Item[P]]] = {}
         self._queued_tokens = 0
         self._queued_items = 0
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the state's lock; the lead (or the only model thread) waits here
+        self._followers = threading.Condition(lock)  # the other workers wait here (see _wake)
         self._accepting = True
         self._stopping = False
         self._busy = False
@@ -235,7 +237,7 @@ class Batcher(Generic[P]):
             self._queues.clear()
             self._queued_items = self._queued_tokens = 0
             self._observer.on_queue(0, 0)
-            self._cond.notify_all()
+            self._wake_all()
         for item in leftover:
             _settle(item.future, ShuttingDown("server shutting down; retry on another replica"))
         if leftover:
@@ -251,12 +253,21 @@ class Batcher(Generic[P]):
     # -- model-thread side -----------------------------------------------------------------------
 
     def _wake(self) -> None:
-        """Under `_cond`: something changed that a waiting model thread may act on. With several workers
-        all wake: a notified follower may leave the batch to the lead (see `_next_batch`)."""
-        if len(self._threads) == 1:
-            self._cond.notify()
-        else:
-            self._cond.notify_all()
+        """Under `_cond`: something changed that a waiting model thread may act on. The lead always wakes;
+        followers only when one of them could take a batch: a narrow one runs (a new batch would run
+        beside it), or more than one sequence is queued. A lone sequence with the model idle, or any
+        while a wide batch runs, is the lead's, so at concurrency 1 a follower woken by every call
+        would only take the lock and the GIL from the lead as it starts the forward."""
+        self._cond.notify()
+        if (self._running and self._wide is None) or self._queued_items > 1:
+            self._followers.notify_all()
+
+    def _wake_all(self) -> None:
+        self._cond.notify_all()
+        self._followers.notify_all()
+
+    def _wait(self, worker: int, timeout: float | None = None) -> None:
+        (self._cond if worker == 0 else self._followers).wait(timeout)
 
     def _remove(self, item: Item[P]) -> None:
         queue = self._queues[item.request.key]
@@ -318,7 +329,7 @@ class Batcher(Generic[P]):
                         self._observer.on_queue(0, 0)
                     if not wait:
                         return None
-                    self._cond.wait()
+                    self._wait(worker)
                     continue
                 batch, hold = self._choose(now)
                 alone = not self._running and len(batch) == self._queued_items
@@ -326,7 +337,7 @@ class Batcher(Generic[P]):
                     # A batch that would run alone is the lead's to run wide; a follower leaves it.
                     if not wait:
                         return None
-                    self._cond.wait(timeout=hold or None)
+                    self._wait(worker, hold or None)
                     continue
                 for item in batch:
                     self._remove(item)
@@ -434,7 +445,7 @@ class Batcher(Generic[P]):
                 self._busy = bool(self._running)
                 if self._wide is batch:
                     self._wide = None
-                    self._cond.notify_all()  # the followers may start again
+                    self._wake()  # the followers may start on what queued meanwhile
         self._settle_all(outcomes)
 
     def _outcomes(self, batch: list[Item[P]], started: float,

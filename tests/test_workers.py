@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
@@ -22,6 +24,7 @@ class TwoLaneModel:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.gate = threading.Event()
+        self.gated: str | None = None  # only this thread's batches wait for the gate (None: every thread's)
         self.running = 0
         self.most_running = 0
         self.batches: list[tuple[str, bool, list[int]]] = []
@@ -37,7 +40,8 @@ class TwoLaneModel:
             self.most_running = max(self.most_running, self.running)
             self.batches.append((name, self._wide[name], list(payloads)))
         try:
-            assert self.gate.wait(10), "the test never opened the gate"
+            if self.gated in (None, name):
+                assert self.gate.wait(10), "the test never opened the gate"
             return [p * 2 for p in payloads], 0.001
         finally:
             with self.lock:
@@ -71,11 +75,12 @@ class Widths:
 async def two_workers():
     made: list[Batcher[int]] = []
 
-    def make(**limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
+    def make(clock: Callable[[], float] = time.monotonic, **limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
         model = TwoLaneModel()
         model.widths = Widths()  # type: ignore[attr-defined]
         batcher: Batcher[int] = Batcher(model, BatchLimits(**limits), workers=2,  # type: ignore[arg-type]
-                                        set_wide=model.set_wide, observer=model.widths)  # type: ignore[attr-defined]
+                                        set_wide=model.set_wide, observer=model.widths,  # type: ignore[attr-defined]
+                                        clock=clock)
         batcher.start()
         made.append(batcher)
         return model, batcher
@@ -153,3 +158,36 @@ async def test_one_caller_in_turn_always_runs_wide_on_the_lead(two_workers):
     for i in range(30):
         assert (await batcher.submit([req(i)], far())[0].future).output == 2 * i
     assert {(name, wide) for name, wide, _ in model.batches} == {("model-runner-0", True)}
+
+
+async def test_one_caller_in_turn_never_wakes_the_follower(two_workers):
+    # Each look at the queue reads the clock once, so the clock's callers are the threads that woke.
+    looks: Counter[str] = Counter()
+
+    def clock() -> float:
+        looks[threading.current_thread().name] += 1
+        return time.monotonic()
+
+    model, batcher = two_workers(clock=clock)
+    model.gate.set()
+    await batcher.call(lambda: None)  # both threads have started and are waiting
+    before = looks["model-runner-1"]
+    for i in range(30):
+        assert (await batcher.submit([req(i)], far())[0].future).output == 2 * i
+    assert looks["model-runner-1"] == before  # the lone calls were the lead's; the follower slept
+    assert looks["model-runner-0"] >= 30
+
+
+async def test_a_follower_wakes_for_a_lone_call_while_the_lead_runs_narrow(two_workers):
+    model, batcher = two_workers(max_batch_size=1)
+    model.gated = "model-runner-0"  # the lead's batch holds; the follower's returns at once
+    pair = batcher.submit([req(0), req(1)], far())  # two at once: both narrow, one each
+    done, _ = await asyncio.wait([item.future for item in pair], timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and model.running == 1
+    # The follower is idle again and the lead still inside its batch: a lone call now is the follower's.
+    lone = batcher.submit([req(2)], far())[0]
+    assert (await asyncio.wait_for(lone.future, 10)).output == 4
+    assert model.running == 1  # the lead is still held
+    model.gate.set()
+    assert sorted([(await item.future).output for item in pair]) == [0, 2]
+    assert [(name, wide) for name, wide, batch in model.batches if batch == [2]] == [("model-runner-1", False)]
