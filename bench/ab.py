@@ -12,7 +12,9 @@ flag). Every round starts a fresh server of each variant (in alternating order) 
 each, alternating which goes first: two processes of the same code differ here by up to 6% for as
 long as they live (A/A runs with one pair of servers kept for 8 rounds gave B/A 1.057, 1.049 and
 0.978, see bench/RESULTS.md), so a pair kept for the whole run would bias the ratio by as much.
-Even with fresh servers an 8-round median is good to about +-7% on this machine.
+Even with fresh servers an 8-round median is good to about +-7% on this machine. Each side also
+reports the server's CPU per call (warm-up included), all threads and the event loop's alone, from
+/proc: a per-call cost moves those where it drowns in the throughput's noise.
 `--keep-servers` keeps one pair (faster; for effects well above that). The idle server costs nothing.
 Bounded: rounds x (2 x (seconds + 1) + two start-ups).
 """
@@ -53,6 +55,14 @@ def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: fl
             raise RuntimeError(f"server ({source}, {flags}) did not start")
         time.sleep(0.1)
     return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of process `pid` and of its main thread, the event loop's."""
+    def read(path: str) -> float:
+        fields = Path(path).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
 
 
 def default_bundle(source: Path) -> Path:
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return start(models[side], getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
                      getattr(args, f"{side}_flag"))
 
-    rows: dict[str, list[tuple[float, float, float]]] = {"a": [], "b": []}
+    rows: dict[str, list[tuple[float, float, float, float, float]]] = {"a": [], "b": []}
     sides: dict[str, tuple[Any, str]] = {}
     try:
         for round_ in range(args.rounds):
@@ -109,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
                 if side not in sides:
                     sides[side] = start_side(side)
             for side in order:
-                r = asyncio.run(run_load(sides[side][1], concurrency=args.concurrency, duration_s=args.seconds,
+                proc, target = sides[side]
+                cpu_before = cpu_s(proc.pid)
+                r = asyncio.run(run_load(target, concurrency=args.concurrency, duration_s=args.seconds,
                                          warmup_s=1.0, lengths=tuple(args.lengths), seed=round_, pool_size=512))
-                rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"]))
+                calls = r.requests + r.warmup_requests
+                cpu, loop = (1e3 * (after - before) / calls for after, before in zip(cpu_s(proc.pid), cpu_before))
+                rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
             if not args.keep_servers:
                 stop(sides)
                 sides = {}
@@ -120,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("a", "b"):
         a = np.asarray(rows[side])
         print(f"{side.upper()}: seq/s {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "
-              f"p99/p50 {np.median(a[:, 2] / a[:, 1]):.2f}")
+              f"p99/p50 {np.median(a[:, 2] / a[:, 1]):.2f}; server CPU ms/call {np.median(a[:, 3]):.2f}, "
+              f"event loop {np.median(a[:, 4]):.3f}")
     ratio = np.asarray(rows["b"])[:, 0] / np.asarray(rows["a"])[:, 0]
     print(f"B/A seq/s per round: {' '.join(f'{x:.3f}' for x in ratio)}; median {np.median(ratio):.3f}")
     return 0

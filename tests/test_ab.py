@@ -21,7 +21,10 @@ def test_ab_runs_both_variants_in_alternating_rounds(tiny_bundle: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for side in ("A", "B"):
-        line = re.search(rf"^{side}: seq/s ([\d.]+) ([\d.]+); median ([\d.]+)", proc.stdout, re.M)
+        line = re.search(rf"^{side}: seq/s ([\d.]+) ([\d.]+); median ([\d.]+),.*"
+                         r"server CPU ms/call ([\d.]+), event loop ([\d.]+)$", proc.stdout, re.M)
         assert line is not None, proc.stdout
-        assert all(float(x) > 0 for x in line.groups())
+        *rates, cpu, loop = (float(x) for x in line.groups())
+        assert all(x > 0 for x in rates)
+        assert 0 < cpu < 1000 and 0 <= loop <= cpu  # the loop is one of the server's threads
     assert re.search(r"^B/A seq/s per round: [\d.]+ [\d.]+; median [\d.]+$", proc.stdout, re.M), proc.stdout
