@@ -7,6 +7,7 @@
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
     ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
     ├── DeadlineExceeded    DEADLINE_EXCEEDED   the deadline passed before the work could be done
+    │   └── DeadlineUnmeetable DEADLINE_EXCEEDED too little time left on arrival (`min_deadline_ms`)
     ├── Cancelled           CANCELLED           the caller went away
     ├── NotReady            UNAVAILABLE         loading or warming up
     ├── ShuttingDown        UNAVAILABLE         draining for shutdown
@@ -60,6 +61,11 @@ class DeadlineExceeded(ServiceError):
     pass
 
 
+class DeadlineUnmeetable(DeadlineExceeded):
+    """Refused at the door: the call arrived with less time left than the service needs (counted apart
+    from deadlines that pass while the work is queued or running)."""
+
+
 class Cancelled(ServiceError):
     pass
 
@@ -96,6 +102,7 @@ STATUS_OF: dict[type[ServiceError], str] = {
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
+    DeadlineUnmeetable: "DEADLINE_EXCEEDED",
     Cancelled: "CANCELLED",
     NotReady: "UNAVAILABLE",
     ShuttingDown: "UNAVAILABLE",
@@ -112,6 +119,7 @@ REASON_OF: dict[type[ServiceError], str] = {
     Overloaded: "queue_full",
     OutOfMemory: "oom",
     DeadlineExceeded: "deadline",
+    DeadlineUnmeetable: "deadline_unmeetable",
     Cancelled: "cancelled",
     NotReady: "not_ready",
     ShuttingDown: "shutting_down",

@@ -29,6 +29,7 @@ from service.errors import (
     REASON_OF,
     STATUS_OF,
     DeadlineExceeded,
+    DeadlineUnmeetable,
     InvalidInput,
     ModelFailure,
     NonFiniteInput,
@@ -140,7 +141,7 @@ class AttentionServicer:
         spec = self._state.require_ready()
         floor_ms = self._config.min_deadline_ms
         if remaining * 1e3 < floor_ms:  # refuse at the door what could not finish in time
-            raise DeadlineExceeded(f"deadline too short: {max(remaining, 0) * 1e3:.1f} ms left; "
+            raise DeadlineUnmeetable(f"deadline too short: {max(remaining, 0) * 1e3:.1f} ms left; "
                                    f"this service needs at least {floor_ms:g} ms")
         try:
             plan = validate(request, spec, self._config)
