@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = asyncio.run(run_load(target, concurrency=args.concurrency, duration_s=args.seconds,
                                          warmup_s=1.0, lengths=tuple(args.lengths), seed=round_, pool_size=512))
                 calls = r.requests + r.warmup_requests
-                cpu, loop = (1e3 * (after - before) / calls for after, before in zip(cpu_s(proc.pid), cpu_before))
+                cpu_after = cpu_s(proc.pid)
+                cpu, loop = (1e3 * (cpu_after[i] - cpu_before[i]) / calls for i in (0, 1))
                 rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
             if not args.keep_servers:
                 stop(sides)

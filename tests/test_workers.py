@@ -24,7 +24,7 @@ class TwoLaneModel:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.gate = threading.Event()
-        self.gated: str | None = None  # only this thread's batches wait for the gate (None: every thread's)
+        self.gates: dict[str, threading.Event] = {}  # a thread's own gate, in place of `gate`
         self.running = 0
         self.most_running = 0
         self.batches: list[tuple[str, bool, list[int]]] = []
@@ -40,8 +40,7 @@ class TwoLaneModel:
             self.most_running = max(self.most_running, self.running)
             self.batches.append((name, self._wide[name], list(payloads)))
         try:
-            if self.gated in (None, name):
-                assert self.gate.wait(10), "the test never opened the gate"
+            assert self.gates.get(name, self.gate).wait(10), "the test never opened the gate"
             return [p * 2 for p in payloads], 0.001
         finally:
             with self.lock:
@@ -180,14 +179,16 @@ async def test_one_caller_in_turn_never_wakes_the_follower(two_workers):
 
 async def test_a_follower_wakes_for_a_lone_call_while_the_lead_runs_narrow(two_workers):
     model, batcher = two_workers(max_batch_size=1)
-    model.gated = "model-runner-0"  # the lead's batch holds; the follower's returns at once
+    follower = model.gates["model-runner-1"] = threading.Event()
     pair = batcher.submit([req(0), req(1)], far())  # two at once: both narrow, one each
+    await model.until(2)
+    follower.set()  # the follower's batch ends; the lead stays inside its narrow one
     done, _ = await asyncio.wait([item.future for item in pair], timeout=10, return_when=asyncio.FIRST_COMPLETED)
-    assert len(done) == 1 and model.running == 1
-    # The follower is idle again and the lead still inside its batch: a lone call now is the follower's.
-    lone = batcher.submit([req(2)], far())[0]
+    assert len(done) == 1
+    lone = batcher.submit([req(2)], far())[0]  # nothing else queued, and a narrow batch running
     assert (await asyncio.wait_for(lone.future, 10)).output == 4
     assert model.running == 1  # the lead is still held
     model.gate.set()
     assert sorted([(await item.future).output for item in pair]) == [0, 2]
-    assert [(name, wide) for name, wide, batch in model.batches if batch == [2]] == [("model-runner-1", False)]
+    assert {(name, wide) for name, wide, _ in model.batches} == {("model-runner-0", False), ("model-runner-1", False)}
+    assert [name for name, _, batch in model.batches if batch == [2]] == ["model-runner-1"]
