@@ -41,7 +41,9 @@ The contract (held by tests/test_batcher.py):
   and the loop lives on. `finish(launch(payloads))` returns the same; if either raises, that batch
   is run again through `execute`, so a pipelined failure is handled exactly like an unpipelined one.
 
-It imports neither grpc nor torch: `execute` and `pipeline` are injected (service/runner.py).
+It imports neither grpc nor torch: `execute` and `pipeline` are injected (service/runner.py). The
+queue itself (per-key FIFOs, the bounds, expiry, the choice of a batch) is service/batch_queue.py,
+used under this class's lock; this class is the threads around it.
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from service.batch_queue import BatchQueue
 from service.batch_types import BatchLimits, BatchObserver, Done, Item, NullObserver, Pipeline, Request
-from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
-from service.window import choose_batch, pool_size
+from service.errors import DeadlineExceeded, ModelFailure, ServiceError, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +98,9 @@ class Batcher(Generic[P]):
         self._execute = execute
         self._pipeline = pipeline
         self._set_wide = set_wide
-        self._limits = limits
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
-        self._queues: dict[Hashable, list[Item[P]]] = {}
-        self._queued_tokens = 0
-        self._queued_items = 0
+        self._queue: BatchQueue[P] = BatchQueue(limits, admit_delay_s)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # the state's lock; the lead (or the only model thread) waits here
         self._followers = threading.Condition(lock)  # the other workers wait here (see _wake)
@@ -110,7 +109,6 @@ class Batcher(Generic[P]):
         self._busy = False
         self._running: list[Item[P]] = []  # the items of the batches in flight (one per worker, two pipelined)
         self._wide: list[Item[P]] | None = None  # the wide batch running (workers > 1), if one is
-        self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
         self._calls: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()  # see call()
         self._threads = [
             threading.Thread(target=self._run, args=(i,), name=thread_name if workers == 1 else f"{thread_name}-{i}",
@@ -146,24 +144,12 @@ class Batcher(Generic[P]):
         """Admit all `requests` of one call (or raise `Overloaded`/`ShuttingDown`); returns their items."""
         assert self._loop is not None, "Batcher.start() was not called. This is a bug."
         now = self._clock()
-        tokens = sum(r.length for r in requests)
         with self._cond:
             if not self._accepting:
                 raise ShuttingDown("server shutting down; retry on another replica")
-            lim = self._limits
-            if self._queued_items + len(requests) > lim.max_queue_requests or (
-                self._queued_tokens + tokens > lim.max_queue_tokens
-            ):
-                raise Overloaded(
-                    f"overloaded: queue holds {self._queued_items}/{lim.max_queue_requests} sequences and "
-                    f"{self._queued_tokens}/{lim.max_queue_tokens} tokens; retry after a backoff"
-                )
             items = [Item(r, deadline, now, self._loop.create_future()) for r in requests]
-            for item in items:
-                self._queues.setdefault(item.request.key, []).append(item)
-            self._queued_items += len(items)
-            self._queued_tokens += tokens
-            self._observer.on_queue(self._queued_items, self._queued_tokens)
+            self._queue.admit(items)
+            self._observer.on_queue(self._queue.items, self._queue.tokens)
             self._wake()
         return items
 
@@ -174,12 +160,12 @@ class Batcher(Generic[P]):
         with self._cond:
             for item in items:
                 if item.state == "queued":
-                    self._remove(item)
+                    self._queue.remove(item)
                     item.state = "cancelled"
                     # A caller whose deadline passed while queued leaves for that reason, not by choice.
                     dropped["deadline" if item.deadline <= now else "cancelled"] += 1
             if any(dropped.values()):
-                self._observer.on_queue(self._queued_items, self._queued_tokens)
+                self._observer.on_queue(self._queue.items, self._queue.tokens)
         for item in items:
             item.future.cancel()
         for reason, count in dropped.items():
@@ -193,14 +179,14 @@ class Batcher(Generic[P]):
 
     @property
     def limits(self) -> BatchLimits:
-        return self._limits
+        return self._queue.limits
 
     @limits.setter
     def limits(self, limits: BatchLimits) -> None:
         """New limits (the server raises a default token budget to the loaded model's max_length);
         the next batch chosen sees them."""
         with self._cond:
-            self._limits = limits
+            self._queue.limits = limits
 
     @property
     def model_thread_alive(self) -> bool:
@@ -210,7 +196,7 @@ class Batcher(Generic[P]):
     @property
     def idle(self) -> bool:
         with self._cond:
-            return self._queued_items == 0 and not self._busy
+            return not self._queue and not self._busy
 
     async def drain(self, timeout: float) -> bool:
         """Wait until the queue is empty and the model idle, up to `timeout`; True when drained."""
@@ -231,11 +217,7 @@ class Batcher(Generic[P]):
         with self._cond:
             self._accepting = False
             self._stopping = True
-            leftover = [item for queue in self._queues.values() for item in queue]
-            for item in leftover:
-                item.state = "dropped"
-            self._queues.clear()
-            self._queued_items = self._queued_tokens = 0
+            leftover = self._queue.take_all()
             self._observer.on_queue(0, 0)
             self._wake_all()
         for item in leftover:
@@ -259,7 +241,7 @@ class Batcher(Generic[P]):
         while a wide batch runs, is the lead's, so at concurrency 1 a follower woken by every call
         would only take the lock and the GIL from the lead as it starts the forward."""
         self._cond.notify()
-        if (self._running and self._wide is None) or self._queued_items > 1:
+        if (self._running and self._wide is None) or self._queue.items > 1:
             self._followers.notify_all()
 
     def _wake_all(self) -> None:
@@ -268,46 +250,6 @@ class Batcher(Generic[P]):
 
     def _wait(self, worker: int, timeout: float | None = None) -> None:
         (self._cond if worker == 0 else self._followers).wait(timeout)
-
-    def _remove(self, item: Item[P]) -> None:
-        queue = self._queues[item.request.key]
-        queue.remove(item)
-        if not queue:
-            del self._queues[item.request.key]
-        self._queued_items -= 1
-        self._queued_tokens -= item.request.length
-
-    def _take_expired(self, now: float) -> list[Item[P]]:
-        expired = [item for q in self._queues.values() for item in q if item.deadline <= now]
-        for item in expired:
-            self._remove(item)
-            item.state = "dropped"
-        return expired
-
-    def _choose(self, now: float) -> tuple[list[Item[P]], float]:
-        """The next batch, and how long to hold it open for `max_wait_ms` (0 = run it now)."""
-        queues: Sequence[list[Item[P]]] = list(self._queues.values())
-        if self._admit_delay > 0:
-            ripe = now - self._admit_delay
-            first = min(q[0].enqueued_at for q in queues)  # each queue is in admission order
-            if first > ripe:
-                return [], first - ripe
-            queues = [ready for q in queues if (ready := [i for i in q if i.enqueued_at <= ripe])]
-        queue = min(queues, key=lambda q: q[0].enqueued_at)
-        oldest = queue[0]
-        pool = queue[: pool_size(self._limits)]
-        picked = choose_batch([i.request.length for i in pool], [now - i.enqueued_at for i in pool], self._limits)
-        batch = [pool[i] for i in picked]
-        hold = 0.0
-        if self._limits.max_wait_ms > 0 and len(batch) == len(queue):
-            # Everything compatible fits: waiting could grow the batch, up to max_wait_ms.
-            longest = batch[-1].request.length
-            full = len(batch) >= self._limits.max_batch_size or (
-                (len(batch) + 1) * longest > self._limits.max_batch_tokens
-            )
-            if not full:
-                hold = oldest.enqueued_at + self._limits.max_wait_ms / 1e3 - now
-        return batch, max(hold, 0.0)
 
     def _next_batch(self, worker: int = 0, wait: bool = True) -> list[Item[P]] | None:
         """The next batch for `worker`, marked running; None when stopping, or (with `wait` false) when
@@ -319,20 +261,20 @@ class Batcher(Generic[P]):
                 if wait and worker == 0 and self._calls:
                     return []  # the caller runs them first (_run_calls)
                 now = self._clock()
-                expired = self._take_expired(now)
+                expired = self._queue.take_expired(now)
                 if expired:
                     self._observer.on_dropped("deadline", len(expired))
                     self._settle_all([(i.future, DeadlineExceeded("deadline exceeded while queued"))
                                       for i in expired])
-                if not self._queues or self._wide is not None:
-                    if not self._queues:
+                if not self._queue or self._wide is not None:
+                    if not self._queue:
                         self._observer.on_queue(0, 0)
                     if not wait:
                         return None
                     self._wait(worker)
                     continue
-                batch, hold = self._choose(now)
-                alone = not self._running and len(batch) == self._queued_items
+                batch, hold = self._queue.choose(now)
+                alone = not self._running and len(batch) == self._queue.items
                 if hold > 0 or (alone and worker > 0):
                     # A batch that would run alone is the lead's to run wide; a follower leaves it.
                     if not wait:
@@ -340,13 +282,13 @@ class Batcher(Generic[P]):
                     self._wait(worker, hold or None)
                     continue
                 for item in batch:
-                    self._remove(item)
+                    self._queue.remove(item)
                     item.state = "running"
                 self._running = [*self._running, *batch]
                 self._busy = True
                 if alone and len(self._threads) > 1:
                     self._wide = batch
-                self._observer.on_queue(self._queued_items, self._queued_tokens)
+                self._observer.on_queue(self._queue.items, self._queue.tokens)
                 return batch
 
     def _run(self, worker: int) -> None:

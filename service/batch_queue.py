@@ -1,0 +1,91 @@
+"""The batcher's queue: the sequences waiting for a batch, one FIFO per computation key, with the
+admission bounds, deadline expiry and the choice of the next batch (service/window.py picks which
+items). Plain state, no lock and no threads: service/batcher.py calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Generic, TypeVar
+
+from service.batch_types import BatchLimits, Item
+from service.errors import Overloaded
+from service.window import choose_batch, pool_size
+
+P = TypeVar("P")
+
+
+class BatchQueue(Generic[P]):
+    def __init__(self, limits: BatchLimits, admit_delay_s: float = 0.0) -> None:
+        self.limits = limits
+        self.items = 0  # sequences queued
+        self.tokens = 0  # their tokens
+        self._queues: dict[Hashable, list[Item[P]]] = {}  # per key, in admission order
+        self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def admit(self, items: Sequence[Item[P]]) -> None:
+        """Queue all of `items` (one call's), or none: `Overloaded` past either bound."""
+        tokens = sum(item.request.length for item in items)
+        lim = self.limits
+        if self.items + len(items) > lim.max_queue_requests or self.tokens + tokens > lim.max_queue_tokens:
+            raise Overloaded(
+                f"overloaded: queue holds {self.items}/{lim.max_queue_requests} sequences and "
+                f"{self.tokens}/{lim.max_queue_tokens} tokens; retry after a backoff"
+            )
+        for item in items:
+            self._queues.setdefault(item.request.key, []).append(item)
+        self.items += len(items)
+        self.tokens += tokens
+
+    def remove(self, item: Item[P]) -> None:
+        queue = self._queues[item.request.key]
+        queue.remove(item)
+        if not queue:
+            del self._queues[item.request.key]
+        self.items -= 1
+        self.tokens -= item.request.length
+
+    def take_expired(self, now: float) -> list[Item[P]]:
+        """Remove and return the items whose deadline has passed, marked dropped."""
+        expired = [item for q in self._queues.values() for item in q if item.deadline <= now]
+        for item in expired:
+            self.remove(item)
+            item.state = "dropped"
+        return expired
+
+    def take_all(self) -> list[Item[P]]:
+        """Empty the queue; returns what it held, marked dropped."""
+        leftover = [item for queue in self._queues.values() for item in queue]
+        for item in leftover:
+            item.state = "dropped"
+        self._queues.clear()
+        self.items = self.tokens = 0
+        return leftover
+
+    def choose(self, now: float) -> tuple[list[Item[P]], float]:
+        """The next batch (still queued), and how long to hold it open for `max_wait_ms` (0 = run it
+        now). The key with the oldest item goes first. Call only when the queue is not empty."""
+        queues: Sequence[list[Item[P]]] = list(self._queues.values())
+        if self._admit_delay > 0:
+            ripe = now - self._admit_delay
+            first = min(q[0].enqueued_at for q in queues)  # each queue is in admission order
+            if first > ripe:
+                return [], first - ripe
+            queues = [ready for q in queues if (ready := [i for i in q if i.enqueued_at <= ripe])]
+        queue = min(queues, key=lambda q: q[0].enqueued_at)
+        oldest = queue[0]
+        lim = self.limits
+        pool = queue[: pool_size(lim)]
+        picked = choose_batch([i.request.length for i in pool], [now - i.enqueued_at for i in pool], lim)
+        batch = [pool[i] for i in picked]
+        hold = 0.0
+        if lim.max_wait_ms > 0 and len(batch) == len(queue):
+            # Everything compatible fits: waiting could grow the batch, up to max_wait_ms.
+            longest = batch[-1].request.length
+            full = len(batch) >= lim.max_batch_size or (len(batch) + 1) * longest > lim.max_batch_tokens
+            if not full:
+                hold = oldest.enqueued_at + lim.max_wait_ms / 1e3 - now
+        return batch, max(hold, 0.0)
