@@ -18,6 +18,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from service.servicer import SERVICE_NAME
 from tests import conftest
 from tests.conftest import Running, ids_request
+from tests.reliability_helpers import wait_for
 
 
 def rich_status(error: grpc.aio.AioRpcError) -> status_pb2.Status:
@@ -60,7 +61,9 @@ async def test_batching_groups_queued_callers_within_the_token_budget(start_serv
     budget = 512
     s = await start_server(bundle=fault_bundle, max_batch_tokens=budget)
     holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.SLEEP, 1]), timeout=30))
-    await asyncio.sleep(0.05)  # the 200 ms SLEEP holds the model while 32 callers queue up
+    # The 200 ms SLEEP holds the model while 32 callers queue up. Waiting for its batch to start (not a
+    # fixed time) keeps a slow first call from being batched with them, in arrival order.
+    await wait_for(lambda: (s.sample("attention_batches_total", {"width": "wide"}) or 0) >= 1, 10, "the holder")
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 90, rng.integers(4, 65)) for _ in range(32)]
     responses = await asyncio.gather(*(s.stub.Encode(ids_request(ids), timeout=30) for ids in seqs))
