@@ -177,8 +177,9 @@ async def test_every_method_but_health_needs_a_token(start_server):
         yield reflection_pb2.ServerReflectionRequest(list_services="")
 
     assert len([r async for r in reflection.ServerReflectionInfo(ask(), metadata=good, timeout=10)]) == 1
-    for call in (lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10), lambda: stream(()),
-                 lambda: _drain(reflection.ServerReflectionInfo(ask(), timeout=10)),
+    for call in (lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10),
+                 lambda: _drain(stub.EncodeStream(_nothing(), timeout=10)),
+                 lambda: _drain(reflection.ServerReflectionInfo(_nothing(), timeout=10)),
                  lambda: s.channel.unary_unary(f"/{SERVICE_NAME}/NoSuchMethod")(b"", timeout=10)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call()
@@ -188,6 +189,14 @@ async def test_every_method_but_health_needs_a_token(start_server):
 
 async def _drain(stream: Any) -> list[Any]:
     return [r async for r in stream]
+
+
+async def _nothing() -> Any:
+    """A request stream of no messages, for calls the server refuses: grpc.aio turns a write that races
+    the server's status into INTERNAL on the client (grpc/grpc#36066), the client library's bug, not
+    what the server sent."""
+    return
+    yield
 
 
 def test_tokens_are_compared_in_constant_time_against_every_token(monkeypatch):
@@ -281,12 +290,8 @@ async def test_production_configuration(start_server, pki: Pki):
             await stub.Encode(ids_request(*[[1]] * 9), metadata=token, timeout=10)
         assert too_many.value.code() == Code.INVALID_ARGUMENT
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-
-        async def ask() -> Any:
-            yield reflection_pb2.ServerReflectionRequest(list_services="")
-
         with pytest.raises(grpc.aio.AioRpcError) as no_reflection:
-            await _drain(reflection.ServerReflectionInfo(ask(), metadata=token, timeout=10))
+            await _drain(reflection.ServerReflectionInfo(_nothing(), metadata=token, timeout=10))
         assert no_reflection.value.code() == Code.UNIMPLEMENTED
     async with grpc.aio.insecure_channel(f"127.0.0.1:{s.server.health_port}") as probe:
         assert await health(probe) == SERVING
