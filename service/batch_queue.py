@@ -1,6 +1,16 @@
 """The batcher's queue: the sequences waiting for a batch, one FIFO per computation key, with the
-admission bounds, deadline expiry and the choice of the next batch (service/window.py picks which
-items). Plain state, no lock and no threads: service/batcher.py calls it under its own lock.
+admission bounds, deadline expiry and the choice of the next batch. Plain state, no lock and no
+threads: service/batcher.py calls it under its own lock.
+
+What a batch holds (held by tests/test_batcher.py and tests/test_batch_queue.py):
+- One computation `key` only (attention or not, causal or not, ...), at most `max_batch_size` items
+  and at most `max_batch_tokens` tokens counted as size x padded length.
+- Length-aware: among the oldest queued items of the chosen key (about `pool_batches` batches'
+  worth), sorted by length, the window of similar lengths that does the most work per unit of
+  cost, where a batch costs its padded tokens plus `batch_overhead_tokens` (the fixed cost of one
+  forward, in tokens) and each item's work and padded tokens count more the longer it has waited
+  (service/window.py). Age bound: the key with the oldest item goes first, and once that item has
+  waited `max_age_ms` the window must contain it, so no item starves behind newcomers.
 """
 
 from __future__ import annotations

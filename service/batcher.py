@@ -15,7 +15,8 @@ The contract (held by tests/test_batcher.py):
   `launch`es a batch, then, if another is ready at once (it never waits for arrivals), chooses and
   launches that one before it `finish`es and delivers the first, so choosing and collating batch
   N+1 overlaps batch N's device work. At most two batches are in flight; with nothing ready it
-  finishes N first. Not pipelined, the loop is exactly the one above.
+  finishes N first. Not pipelined, the loop is exactly the one above. A failed phase falls back to
+  `execute` (service/two_phase.py).
 - Workers (`workers` > 1, for CPUs; never pipelined): that many model threads run batches side by
   side, each with its share of the cores. Worker 0 leads: it runs `call()`s, and a batch that
   starts while no other runs and leaves nothing queued is wide, run alone with every core
@@ -23,14 +24,8 @@ The contract (held by tests/test_batcher.py):
   other batch is narrow (`set_wide(False)`); the other workers take only those, and none starts
   while a wide one runs. Two narrow forwards side by side share no OpenMP barrier, so one that the
   event loop preempts does not stall the other (bench/RESULTS.md).
-- A batch holds one computation `key` only (attention or not, causal or not, ...), at most
-  `max_batch_size` items and at most `max_batch_tokens` tokens counted as size x padded length.
-- Length-aware: among the oldest queued items of the chosen key (about `pool_batches` batches'
-  worth), sorted by length, it takes the window of similar lengths that does the most work per
-  unit of cost, where a batch costs its padded tokens plus `batch_overhead_tokens` (the fixed cost
-  of one forward, in tokens) and each item's work and padded tokens count more the longer it has
-  waited (service/window.py). Age bound: the key with the oldest item goes first, and once that
-  item has waited `max_age_ms` the window must contain it, so no item starves behind newcomers.
+- What a batch holds (one computation key, the size and token bounds, similar lengths, the age
+  bound that keeps any item from starving): service/batch_queue.py.
 - Items whose deadline has passed or whose caller cancelled are dropped before they are computed
   (counted by reason: `deadline`, `cancelled`, `shutting_down`).
 - `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch(es) finish;
@@ -38,8 +33,7 @@ The contract (held by tests/test_batcher.py):
   so a caller waiting on a stuck model still gets an answer.
 - `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError` per item, and
   the forward's wall time. An exception from it fails only that batch's items (as `ModelFailure`),
-  and the loop lives on. `finish(launch(payloads))` returns the same; if either raises, that batch
-  is run again through `execute`, so a pipelined failure is handled exactly like an unpipelined one.
+  and the loop lives on.
 
 It imports neither grpc nor torch: `execute` and `pipeline` are injected (service/runner.py). The
 queue itself (per-key FIFOs, the bounds, expiry, the choice of a batch) is service/batch_queue.py,
@@ -54,27 +48,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from service.batch_queue import BatchQueue
 from service.batch_types import BatchLimits, BatchObserver, Done, Item, NullObserver, Pipeline, Request
 from service.errors import DeadlineExceeded, ModelFailure, ServiceError, ShuttingDown
+from service.two_phase import Flight, TwoPhase
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
 T = TypeVar("T")
-
-
-@dataclass(eq=False)
-class _Flight(Generic[P]):
-    """A launched batch, until it is finished and delivered."""
-
-    batch: list[Item[P]]
-    started: float
-    handle: Any = None
-    error: Exception | None = None  # launch raised: run it through `execute` instead
 
 
 class Batcher(Generic[P]):
@@ -96,7 +80,7 @@ class Batcher(Generic[P]):
         if workers > 1 and set_wide is None:
             raise ValueError("workers > 1 needs set_wide, which gives a batch its share of the cores")
         self._execute = execute
-        self._pipeline = pipeline
+        self._two_phase = TwoPhase(pipeline, execute) if pipeline is not None else None
         self._set_wide = set_wide
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
@@ -126,11 +110,9 @@ class Batcher(Generic[P]):
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the (lead) model thread, between batches, and return what it returns (or raise
-        what it raises). For the model's setup (load, warm-up): every wide forward then runs on the
-        same thread. With OpenMP (PyTorch on CPU), each thread that runs a parallel region gets a team
-        of worker threads, and once there are more of those than cores libgomp stops its workers
-        spinning between regions: a second torch thread made a 1 x 128 forward about 30% slower
-        (bench/RESULTS.md). A narrow forward on one thread starts no team."""
+        what it raises). For the model's setup (load, warm-up), so that it and every wide forward share
+        one OpenMP team: a second team made a 1 x 128 forward about 30% slower (libgomp stops spinning
+        once its threads outnumber the cores; bench/RESULTS.md). A narrow forward starts no team."""
         assert self._loop is not None, "Batcher.start() was not called. This is a bug."
         future: asyncio.Future[T] = self._loop.create_future()
         with self._cond:
@@ -235,11 +217,10 @@ class Batcher(Generic[P]):
     # -- model-thread side -----------------------------------------------------------------------
 
     def _wake(self) -> None:
-        """Under `_cond`: something changed that a waiting model thread may act on. The lead always wakes;
-        followers only when one of them could take a batch: a narrow one runs (a new batch would run
-        beside it), or more than one sequence is queued. A lone sequence with the model idle, or any
-        while a wide batch runs, is the lead's, so at concurrency 1 a follower woken by every call
-        would only take the lock and the GIL from the lead as it starts the forward."""
+        """Under `_cond`: something changed. The lead always wakes; followers only when one could take a
+        batch (a narrow one runs, or more than one sequence is queued). A lone sequence is the lead's:
+        a follower woken by every call at concurrency 1 would take the lock and the GIL from the lead
+        as it starts the forward."""
         self._cond.notify()
         if (self._running and self._wide is None) or self._queue.items > 1:
             self._followers.notify_all()
@@ -292,7 +273,7 @@ class Batcher(Generic[P]):
                 return batch
 
     def _run(self, worker: int) -> None:
-        flight: _Flight[P] | None = None  # launched, not yet finished (pipelined only)
+        flight: Flight[P] | None = None  # launched, not yet finished (pipelined only)
         while True:
             if flight is None:
                 batch = self._next_batch(worker)
@@ -302,7 +283,7 @@ class Batcher(Generic[P]):
                 if not batch:
                     self._run_calls()
                     continue
-                if self._pipeline is not None and self._pipeline.pipelined and len(self._threads) == 1:
+                if self._two_phase is not None and self._two_phase.pipelined and len(self._threads) == 1:
                     flight = self._launch(batch)
                 else:
                     self._run_batch(batch)
@@ -341,31 +322,16 @@ class Batcher(Generic[P]):
         self._on_batch(batch, started, wide)
         self._deliver(batch, started, lambda: self._execute([item.request.payload for item in batch]))
 
-    def _launch(self, batch: list[Item[P]]) -> _Flight[P]:
-        assert self._pipeline is not None
+    def _launch(self, batch: list[Item[P]]) -> Flight[P]:
+        assert self._two_phase is not None
         started = self._clock()
         self._on_batch(batch, started, wide=True)  # pipelined: one worker
-        try:
-            return _Flight(batch, started, self._pipeline.launch([item.request.payload for item in batch]))
-        except Exception as exc:  # noqa: BLE001 - the batch is run through `execute` when finished
-            return _Flight(batch, started, error=exc)
+        return self._two_phase.launch(batch, started)
 
-    def _finish(self, flight: _Flight[P]) -> None:
-        self._deliver(flight.batch, flight.started, lambda: self._finish_or_execute(flight))
-
-    def _finish_or_execute(self, flight: _Flight[P]) -> tuple[Sequence[Any], float]:
-        assert self._pipeline is not None
-        error = flight.error
-        if error is None:
-            try:
-                return self._pipeline.finish(flight.handle)
-            except Exception as exc:  # noqa: BLE001 - handled below
-                error = exc
-        # Run it again the ordinary way: `execute` splits the batch on OOM and bisects to the one bad
-        # sequence on a model error, so every item gets its own outcome, as unpipelined.
-        log.warning("pipelined batch of %d failed (%s: %s); running it through execute",
-                    len(flight.batch), type(error).__name__, error)
-        return self._execute([item.request.payload for item in flight.batch])
+    def _finish(self, flight: Flight[P]) -> None:
+        two_phase = self._two_phase
+        assert two_phase is not None
+        self._deliver(flight.batch, flight.started, lambda: two_phase.finish(flight))
 
     def _on_batch(self, batch: list[Item[P]], started: float, wide: bool) -> None:
         padded = max(item.request.length for item in batch)
@@ -397,17 +363,13 @@ class Batcher(Generic[P]):
             outputs, compute_s = run()
             if len(outputs) != len(batch):
                 raise RuntimeError(f"execute returned {len(outputs)} outputs for {len(batch)} items")
-            outcomes: list[tuple[asyncio.Future[Done], Any]] = []
-            for item, out in zip(batch, outputs, strict=True):
-                if isinstance(out, BaseException):
-                    outcomes.append((item.future, out))
-                else:
-                    outcomes.append((item.future, Done(out, started - item.enqueued_at, compute_s, len(batch), padded)))
+            return [(item.future, out if isinstance(out, BaseException)
+                     else Done(out, started - item.enqueued_at, compute_s, len(batch), padded))
+                    for item, out in zip(batch, outputs, strict=True)]
         except Exception:
             error = ModelFailure()
             log.exception("batch of %d failed (ref=%s)", len(batch), error.ref)
-            outcomes = [(item.future, error) for item in batch]
-        return outcomes
+            return [(item.future, error) for item in batch]
 
     def _settle_all(self, outcomes: Sequence[tuple[asyncio.Future[Any], Any]]) -> None:
         if outcomes and self._loop is not None and not self._loop.is_closed():
