@@ -38,6 +38,7 @@ from tests.reliability_helpers import (
     details_of,
     fault_state,  # noqa: F401  (a fixture, used by name)
     health,
+    no_messages,
     wait_for,
 )
 
@@ -154,12 +155,8 @@ def with_metadata(*metadata: tuple[str, str]) -> Callable[[Running], Awaitable[O
 async def reflection_call(s: Running) -> Outcome:
     stub = reflection_pb2_grpc.ServerReflectionStub(s.channel)
 
-    async def nothing() -> Any:  # no message: a write racing the server's status turns into INTERNAL
-        return  # on a grpc.aio client (grpc/grpc#36066); an enabled service still answers OK, no rows
-        yield
-
-    try:
-        _ = [r async for r in stub.ServerReflectionInfo(nothing(), timeout=10)]
+    try:  # no message (see no_messages); an enabled service would still answer OK, with no rows
+        _ = [r async for r in stub.ServerReflectionInfo(no_messages(), timeout=10)]
     except grpc.aio.AioRpcError as error:
         return error.code(), error
     return Code.OK, None

@@ -33,7 +33,7 @@ from service.servicer import SERVICE_NAME
 from tests import conftest
 from tests.certs import Pki, make_pki
 from tests.conftest import Running, ids_request
-from tests.reliability_helpers import assert_clean_status, batches, health
+from tests.reliability_helpers import assert_clean_status, batches, health, no_messages
 
 Code = grpc.StatusCode
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -178,8 +178,8 @@ async def test_every_method_but_health_needs_a_token(start_server):
 
     assert len([r async for r in reflection.ServerReflectionInfo(ask(), metadata=good, timeout=10)]) == 1
     for call in (lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10),
-                 lambda: _drain(stub.EncodeStream(_nothing(), timeout=10)),
-                 lambda: _drain(reflection.ServerReflectionInfo(_nothing(), timeout=10)),
+                 lambda: _drain(stub.EncodeStream(no_messages(), timeout=10)),
+                 lambda: _drain(reflection.ServerReflectionInfo(no_messages(), timeout=10)),
                  lambda: s.channel.unary_unary(f"/{SERVICE_NAME}/NoSuchMethod")(b"", timeout=10)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call()
@@ -189,14 +189,6 @@ async def test_every_method_but_health_needs_a_token(start_server):
 
 async def _drain(stream: Any) -> list[Any]:
     return [r async for r in stream]
-
-
-async def _nothing() -> Any:
-    """A request stream of no messages, for calls the server refuses: grpc.aio turns a write that races
-    the server's status into INTERNAL on the client (grpc/grpc#36066), the client library's bug, not
-    what the server sent."""
-    return
-    yield
 
 
 def test_tokens_are_compared_in_constant_time_against_every_token(monkeypatch):
@@ -291,7 +283,7 @@ async def test_production_configuration(start_server, pki: Pki):
         assert too_many.value.code() == Code.INVALID_ARGUMENT
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as no_reflection:
-            await _drain(reflection.ServerReflectionInfo(_nothing(), metadata=token, timeout=10))
+            await _drain(reflection.ServerReflectionInfo(no_messages(), metadata=token, timeout=10))
         assert no_reflection.value.code() == Code.UNIMPLEMENTED
     async with grpc.aio.insecure_channel(f"127.0.0.1:{s.server.health_port}") as probe:
         assert await health(probe) == SERVING
