@@ -151,15 +151,20 @@ class Server:
 
     async def start(self) -> None:
         """Listen, then load and warm the model in the background (see `ready()`)."""
+        if self.config.metrics_port >= 0:
+            # Before the gRPC ports start: a metrics port in use then stops start-up with nothing running
+            # (an aio server left started would be torn down by its __del__ on a closed loop).
+            host = self.config.metrics_host or self.config.host
+            try:
+                self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise OSError(f"metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}") from None
+            self.metrics_port = self._httpd.server_port
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         if self.health_grpc is not None:
             await self.health_grpc.start()
-        if self.config.metrics_port >= 0:
-            host = self.config.metrics_host or self.config.host
-            self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
-            self.metrics_port = self._httpd.server_port
         self.batcher.start()
         self._startup = asyncio.create_task(self._load_and_warm())
 
@@ -245,7 +250,11 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     signals: asyncio.Queue[int] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:  # the metrics port taken; nothing has started yet
+        log.error("cannot start: %s", exc)
+        return 1
     log.info("listening on %s:%d, metrics on :%d; loading the model", config.host, port, server.metrics_port)
     waiter = asyncio.create_task(signals.get())
     assert server._startup is not None
