@@ -2,7 +2,8 @@
 
     ServiceError
     ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
-    │   └── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    │   ├── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    │   └── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
     ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
@@ -41,6 +42,10 @@ class InvalidInput(ServiceError):
 
 class NonFiniteInput(InvalidInput):
     pass
+
+
+class OutputOverflow(InvalidInput):
+    """The result is finite, but not in the dtype asked for (FLOAT16 past 65504): service/output_range.py."""
 
 
 class FailedPrecondition(ServiceError):
@@ -98,6 +103,7 @@ class NonFiniteOutput(ModelFailure):
 STATUS_OF: dict[type[ServiceError], str] = {
     InvalidInput: "INVALID_ARGUMENT",
     NonFiniteInput: "INVALID_ARGUMENT",
+    OutputOverflow: "INVALID_ARGUMENT",
     FailedPrecondition: "FAILED_PRECONDITION",
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
@@ -115,6 +121,7 @@ STATUS_OF: dict[type[ServiceError], str] = {
 REASON_OF: dict[type[ServiceError], str] = {
     InvalidInput: "invalid_argument",
     NonFiniteInput: "nonfinite_input",
+    OutputOverflow: "output_overflow",
     FailedPrecondition: "failed_precondition",
     Overloaded: "queue_full",
     OutOfMemory: "oom",

@@ -40,6 +40,7 @@ from service.errors import (
 )
 from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
+from service.output_range import check_representable
 from service.validation import Plan, validate
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class AttentionServicer:
             # may still be queued. Items that ran or are running are left alone.
             self._batcher.cancel(items)
         self._metrics.sequences.inc(len(done))
+        check_representable([d.output for d in done], plan.output_dtype, plan.attention_dtype)
         return _response(plan, done, spec)
 
     def _model_info(self) -> pb.ModelInfo:

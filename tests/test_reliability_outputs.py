@@ -7,15 +7,25 @@ Real servers on 127.0.0.1:0 serving the TINY bundle (d_model 32, 4 heads, 2 laye
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
+from client.tensors import from_tensor, to_tensor
+from model.bundle import save_bundle
+from model.config import TINY
+from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from service import validation
+from service.errors import OutputOverflow
+from service.jobs import Output
+from service.output_range import check_representable
 from tests.conftest import ids_request
 from tests.reliability_helpers import assert_clean_status, batches
 
@@ -66,3 +76,86 @@ async def test_the_response_size_estimate_bounds_the_real_response_from_above(
     spec = served.server.state.spec
     estimate = validation.response_bytes(validation.validate(request, spec, served.server.config), spec)
     assert response.ByteSize() <= estimate <= response.ByteSize() + 64 * len(request.sequences) + 64
+
+
+# -- a result the output dtype cannot hold (item 4) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unnormed_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Pre-LN without a final LayerNorm: the residual stream, and so the hidden states, keep the
+    magnitude of the input embeddings."""
+    path = tmp_path_factory.mktemp("bundles") / "unnormed"
+    config = dataclasses.replace(TINY, norm_first=True, final_norm=False)
+    save_bundle(Encoder(config).init_weights(0), path, name="unnormed", version="1", source="seed:0")
+    return path
+
+
+def embeddings_request(scale: float, **fields: Any) -> pb.EncodeRequest:
+    values = np.random.default_rng(0).standard_normal((6, 32)).astype(np.float32)
+    values *= scale / np.abs(values).max()  # the largest |value| is `scale`, allowed (<= 1e6)
+    return pb.EncodeRequest(sequences=[pb.Sequence(embeddings=to_tensor(values))], **fields)
+
+
+async def test_a_result_float16_cannot_hold_is_refused_naming_the_dtype_never_sent_as_inf(
+        start_server: Callable[..., Any], unnormed_bundle: Path):
+    s = await start_server(bundle=unnormed_bundle)
+    exact = await s.stub.Encode(embeddings_request(1e5), timeout=10)  # FLOAT32: finite, beyond 65504
+    hidden = from_tensor(exact.outputs[0].hidden)
+    assert np.isfinite(hidden).all() and np.abs(hidden).max() > 65504
+
+    for options in (pb.OutputOptions(dtype=pb.DTYPE_FLOAT16),
+                    pb.OutputOptions(return_hidden=False, pooling=pb.POOLING_CLS, dtype=pb.DTYPE_FLOAT16)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await s.stub.Encode(embeddings_request(1e5, output=options), timeout=10)
+        assert_clean_status(info.value)
+        assert info.value.code() == Code.INVALID_ARGUMENT, info.value.details()
+        details = info.value.details() or ""
+        assert details.startswith("output.dtype: ") and "65504" in details, details
+        assert "FLOAT32" in details and "BFLOAT16" in details, details
+    assert s.sample("attention_failures_total", {"reason": "output_overflow"}) == 2
+
+    # The same results in the dtypes that hold them; attention weights (in [0, 1]) always fit FLOAT16.
+    wide = await s.stub.Encode(embeddings_request(1e5, output=pb.OutputOptions(dtype=pb.DTYPE_BFLOAT16)), timeout=10)
+    np.testing.assert_allclose(from_tensor(wide.outputs[0].hidden), hidden, rtol=1e-2)
+    weights = await s.stub.Encode(embeddings_request(1e5, attention=pb.AttentionOptions(
+        return_attention=True, dtype=pb.DTYPE_FLOAT16)), timeout=10)
+    assert np.isfinite(from_tensor(weights.outputs[0].attention)).all()
+    small = await s.stub.Encode(embeddings_request(1e3, output=pb.OutputOptions(dtype=pb.DTYPE_FLOAT16)), timeout=10)
+    assert np.isfinite(from_tensor(small.outputs[0].hidden)).all()
+    assert s.sample("attention_failures_total", {"reason": "output_overflow"}) == 2
+
+
+async def test_a_stream_request_whose_result_float16_cannot_hold_gets_its_own_error(
+        start_server: Callable[..., Any], unnormed_bundle: Path):
+    s = await start_server(bundle=unnormed_bundle)
+    requests = [embeddings_request(1e5, request_id="big", output=pb.OutputOptions(dtype=pb.DTYPE_FLOAT16)),
+                embeddings_request(1.0, request_id="small", output=pb.OutputOptions(dtype=pb.DTYPE_FLOAT16))]
+    answers = {r.request_id: r async for r in s.stub.EncodeStream(iter(requests), timeout=10)}
+    assert answers["big"].error.code == "INVALID_ARGUMENT" and answers["big"].error.field == "output.dtype"
+    assert not answers["big"].outputs
+    assert not answers["small"].HasField("error")
+    assert np.isfinite(from_tensor(answers["small"].outputs[0].hidden)).all()
+
+
+@pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16])
+def test_the_range_check_refuses_exactly_the_values_the_wire_cast_turns_into_inf(dtype: int):
+    edge = np.float32(65520.0) if dtype == pb.DTYPE_FLOAT16 else np.uint32(0x7F7F8000).view(np.float32)
+    for value in (np.nextafter(edge, np.float32(0)), edge, np.nextafter(edge, np.float32(np.inf))):
+        for sign in (1, -1):
+            array = np.array([0.5, sign * value], np.float32)
+            with np.errstate(over="ignore"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the cast's own overflow warning
+                sent = from_tensor(to_tensor(array, dtype))
+            for output in (Output(array, None, None, False), Output(None, array, None, False)):
+                if np.isfinite(sent).all():
+                    check_representable([output], dtype, pb.DTYPE_FLOAT32)
+                else:
+                    with pytest.raises(OutputOverflow):
+                        check_representable([output], dtype, pb.DTYPE_FLOAT32)
+            attention = Output(None, None, array.reshape(1, 1, 1, 2), False)
+            if np.isfinite(sent).all():
+                check_representable([attention], pb.DTYPE_FLOAT32, dtype)
+            else:
+                with pytest.raises(OutputOverflow, match="attention.dtype"):
+                    check_representable([attention], pb.DTYPE_FLOAT32, dtype)
