@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
+    def ms(seconds: float) -> int:
+        return int(seconds * 1000) if seconds > 0 else 2**31 - 1  # INT_MAX: no limit
+
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -54,6 +57,17 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         # Accept the keepalive pings our client sends (every 30 s, also when idle).
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Connection limits. Without a stream limit one connection can open streams without bound (a
+        # burst of 20,000 header-only streams made other connections' calls fail CANCELLED); without
+        # an age limit a call whose message never completes and that has no deadline is never
+        # answered (grpcio reads the message before any handler runs, so only the connection can end it).
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_connection_idle_ms", ms(config.max_connection_idle_s)),
+        ("grpc.max_connection_age_ms", ms(config.max_connection_age_s)),
+        ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)),
+        ("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s)),
+        ("grpc.http2.max_pings_without_data", 0),  # keep probing during a long call that sends nothing
     ]
 
 

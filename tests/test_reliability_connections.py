@@ -10,12 +10,26 @@ because grpcio never sends such frames. Every flood is bounded in count and in s
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.reliability_helpers import REPO
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from proto.attention.v1 import attention_pb2_grpc
+from tests.conftest import ids_request
+from tests.h2_client import RawH2
+from tests.reliability_helpers import REPO, ServerProcess, assert_clean_status, health, start_process
+
+FLOOD_STREAMS = 20_000  # the burst that made other connections' calls fail CANCELLED (6-11 of 30-60)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+FLOOD_SECONDS = 20.0  # it takes about 0.5 s; the bound is for a slow machine
 
 
 def _free_port() -> int:
@@ -44,3 +58,97 @@ def test_a_metrics_port_in_use_stops_start_up_with_one_clean_line(tiny_bundle: P
     assert f"metrics port 127.0.0.1:{metrics_port}" in errors[0] and "in use" in errors[0], errors
     with socket.socket() as again:  # the gRPC port was released (never left bound by a dying process)
         again.bind(("127.0.0.1", grpc_port))
+
+
+@pytest.fixture
+def server(tiny_bundle: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    """`python -m service` with the default limits, so the flood does not share the server's
+    process (and its GIL) with the client."""
+    yield from _serve(start_process(tiny_bundle, tmp_path / "server"))
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server with small connection limits: idle 1 s, age 2 s (+-10%), grace 1 s."""
+    yield from _serve(start_process(tiny_bundle, tmp_path_factory.mktemp("limited"), "--max-connection-idle-s", "1",
+                                    "--max-connection-age-s", "2", "--max-connection-age-grace-s", "1"))
+
+
+def _serve(process: ServerProcess) -> Iterator[ServerProcess]:
+    try:
+        yield process
+        assert process.terminate() == 0, process.output()[-3000:]
+    finally:
+        process.kill()
+
+
+async def ordinary_calls(target: str, until: asyncio.Future[int], rounds_after: int = 3,
+                         max_rounds: int = 200) -> list[grpc.StatusCode | None]:
+    """Rounds of 10 concurrent Encode calls on their own connection while `until` runs, then a few
+    rounds more; None for OK. Bounded by `max_rounds`."""
+    outcomes: list[grpc.StatusCode | None] = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        await stub.Encode(ids_request([1, 2]), timeout=10)  # connected before the flood starts
+        after = 0
+        for _ in range(max_rounds):
+            if until.done():
+                after += 1
+                if after > rounds_after:
+                    break
+            results = await asyncio.gather(*(stub.Encode(ids_request(np.arange(1, 9)), timeout=10)
+                                             for _ in range(10)), return_exceptions=True)
+            for result in results:
+                if isinstance(result, grpc.aio.AioRpcError):
+                    assert_clean_status(result)
+                    outcomes.append(result.code())
+                else:
+                    assert not isinstance(result, BaseException), repr(result)
+                    outcomes.append(None)
+    return outcomes
+
+
+async def test_a_flood_of_header_only_streams_on_one_connection_leaves_other_connections_served(
+        server: ServerProcess):
+    def flood() -> int:
+        with RawH2(server.ports["port"]) as attacker:
+            sent = attacker.flood(FLOOD_STREAMS, FLOOD_SECONDS)
+            attacker.drain(2.0)  # the streams stay open meanwhile
+            return sent
+
+    flooding = asyncio.ensure_future(asyncio.to_thread(flood))
+    outcomes = await ordinary_calls(server.target, flooding)
+    assert await flooding > 1000, "the flood never got going"
+    failed = [code for code in outcomes if code is not None]
+    assert not failed, f"{len(failed)} of {len(outcomes)} ordinary calls failed: {failed}"
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        assert await health(channel) == SERVING
+
+
+# -- a call that never completes its message (item 10) --------------------------------------------
+
+
+@pytest.mark.parametrize("end_stream", [True, False], ids=["END_STREAM", "left-open"])
+async def test_a_message_that_never_completes_without_a_deadline_is_ended_by_the_connection_age(
+        limited: ServerProcess, end_stream: bool):
+    # Length prefix 1000, then 10 bytes: the handler never starts, so nothing but the connection's
+    # limits can end the call (the idle limit does not: the call is open). Waited for 30 s at most
+    # (about 3 s expected: age 2 s +-10%, then grace 1 s).
+    with RawH2(limited.ports["port"]) as client:
+        ended = await asyncio.to_thread(client.call_incomplete, declared=1000, sent=10, end_stream=end_stream,
+                                        timeout=30.0)
+    assert ended.how != "timeout", f"the call was never ended: {ended}"
+    assert ended.grpc_status != "2", ended  # never UNKNOWN
+    async with grpc.aio.insecure_channel(limited.target) as channel:  # and the server serves on
+        assert await health(channel) == SERVING
+        response = await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]), timeout=10)
+        assert len(response.outputs) == 1
+
+
+async def test_a_connection_without_calls_is_closed_after_the_idle_limit(limited: ServerProcess):
+    with RawH2(limited.ports["port"]) as client:
+        ended = await asyncio.to_thread(client.wait_goaway, 30.0)
+    assert ended.how == "goaway", ended
+    assert ended.goaway_text in (b"", b"connection idle"), ended  # empty: lost with a PING in the same read
+    async with grpc.aio.insecure_channel(limited.target) as channel:
+        assert await health(channel) == SERVING

@@ -49,10 +49,11 @@ async def test_a_response_over_the_limit_by_its_framing_alone_is_refused_before_
     assert "over max_message_bytes 8192" in (info.value.details() or "")
     assert batches(tight) == 0
 
-    # Just under: a limit a few bytes above the real size is enough (the estimate is tight).
+    # Just under: a limit a few bytes above the real size is enough (the estimate is tight). The real
+    # size moves by a byte or two with the timings in the metadata (varints).
     fits = await start_server(max_message_bytes=size + 64)
     response = await fits.stub.Encode(ids_request(IDS), timeout=10)
-    assert response.ByteSize() == size and batches(fits) == 1
+    assert abs(response.ByteSize() - size) <= 8 and batches(fits) == 1
 
 
 REQUESTS = [
