@@ -28,8 +28,8 @@ from tests.h2_client import RawH2
 from tests.reliability_helpers import REPO, ServerProcess, assert_clean_status, health, start_process
 
 FLOOD_STREAMS = 20_000  # the burst that made other connections' calls fail CANCELLED (6-11 of 30-60)
-SERVING = health_pb2.HealthCheckResponse.SERVING
 FLOOD_SECONDS = 20.0  # it takes about 0.5 s; the bound is for a slow machine
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def _free_port() -> int:
@@ -60,11 +60,20 @@ def test_a_metrics_port_in_use_stops_start_up_with_one_clean_line(tiny_bundle: P
         again.bind(("127.0.0.1", grpc_port))
 
 
+TOKEN = "tok-flood-test"
+
+
+@pytest.fixture(params=[None, TOKEN], ids=["no-tokens", "tokens"])
+def token(request: pytest.FixtureRequest) -> str | None:
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture
-def server(tiny_bundle: Path, tmp_path: Path) -> Iterator[ServerProcess]:
-    """`python -m service` with the default limits, so the flood does not share the server's
-    process (and its GIL) with the client."""
-    yield from _serve(start_process(tiny_bundle, tmp_path / "server"))
+def server(tiny_bundle: Path, tmp_path: Path, token: str | None) -> Iterator[ServerProcess]:
+    """`python -m service` with the default limits (bearer tokens on or off), so the flood does not
+    share the server's process (and its GIL) with the client."""
+    env = {"ATTN_AUTH_TOKENS": token} if token else {}
+    yield from _serve(start_process(tiny_bundle, tmp_path / "server", env=env))
 
 
 @pytest.fixture(scope="module")
@@ -82,21 +91,22 @@ def _serve(process: ServerProcess) -> Iterator[ServerProcess]:
         process.kill()
 
 
-async def ordinary_calls(target: str, until: asyncio.Future[int], rounds_after: int = 3,
+async def ordinary_calls(target: str, until: asyncio.Future[int], token: str | None = None, rounds_after: int = 3,
                          max_rounds: int = 200) -> list[grpc.StatusCode | None]:
     """Rounds of 10 concurrent Encode calls on their own connection while `until` runs, then a few
     rounds more; None for OK. Bounded by `max_rounds`."""
     outcomes: list[grpc.StatusCode | None] = []
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
-        await stub.Encode(ids_request([1, 2]), timeout=10)  # connected before the flood starts
+        await stub.Encode(ids_request([1, 2]), timeout=10, metadata=metadata)  # connected before the flood
         after = 0
         for _ in range(max_rounds):
             if until.done():
                 after += 1
                 if after > rounds_after:
                     break
-            results = await asyncio.gather(*(stub.Encode(ids_request(np.arange(1, 9)), timeout=10)
+            results = await asyncio.gather(*(stub.Encode(ids_request(np.arange(1, 9)), timeout=10, metadata=metadata)
                                              for _ in range(10)), return_exceptions=True)
             for result in results:
                 if isinstance(result, grpc.aio.AioRpcError):
@@ -109,7 +119,7 @@ async def ordinary_calls(target: str, until: asyncio.Future[int], rounds_after: 
 
 
 async def test_a_flood_of_header_only_streams_on_one_connection_leaves_other_connections_served(
-        server: ServerProcess):
+        server: ServerProcess, token: str | None):
     def flood() -> int:
         with RawH2(server.ports["port"]) as attacker:
             sent = attacker.flood(FLOOD_STREAMS, FLOOD_SECONDS)
@@ -117,7 +127,7 @@ async def test_a_flood_of_header_only_streams_on_one_connection_leaves_other_con
             return sent
 
     flooding = asyncio.ensure_future(asyncio.to_thread(flood))
-    outcomes = await ordinary_calls(server.target, flooding)
+    outcomes = await ordinary_calls(server.target, flooding, token)
     assert await flooding > 1000, "the flood never got going"
     failed = [code for code in outcomes if code is not None]
     assert not failed, f"{len(failed)} of {len(outcomes)} ordinary calls failed: {failed}"
