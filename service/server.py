@@ -67,6 +67,9 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)),
         ("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
         ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s)),
+        # chttp2's own timeout for an unanswered ping (internal.h; 1 min by default), which is what
+        # closes the connection of a peer that stopped answering: the same bound as keepalive's.
+        ("grpc.http2.ping_timeout_ms", ms(config.keepalive_timeout_s)),
         ("grpc.http2.max_pings_without_data", 0),  # keep probing during a long call that sends nothing
     ]
 

@@ -191,3 +191,18 @@ class RawH2:
                     return StreamEnd("goaway", error_code=int(event.error_code), seconds=time.monotonic() - started,
                                      events=seen, goaway_text=event.additional_data or b"")
         return StreamEnd("timeout", seconds=time.monotonic() - started, events=seen)
+
+    def read_until_closed(self, timeout: float) -> bool:
+        """Read raw, answering nothing (no PING or SETTINGS acknowledgement: a dead or stuck peer),
+        until the server closes the connection (True) or `timeout` seconds pass (False)."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            self.sock.settimeout(min(left, 1.0))
+            try:
+                if not self.sock.recv(1 << 16):
+                    return True
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                return True
+        return False

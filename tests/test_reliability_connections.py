@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2
 
 from proto.attention.v1 import attention_pb2_grpc
 from tests.conftest import ids_request
-from tests.h2_client import RawH2
+from tests.h2_client import RawH2, grpc_headers
 from tests.reliability_helpers import REPO, ServerProcess, assert_clean_status, health, start_process
 
 FLOOD_STREAMS = 20_000  # the burst that made other connections' calls fail CANCELLED (6-11 of 30-60)
@@ -81,6 +81,14 @@ def limited(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     """A server with small connection limits: idle 1 s, age 2 s (+-10%), grace 1 s."""
     yield from _serve(start_process(tiny_bundle, tmp_path_factory.mktemp("limited"), "--max-connection-idle-s", "1",
                                     "--max-connection-age-s", "2", "--max-connection-age-grace-s", "1"))
+
+
+@pytest.fixture
+def pinging(tiny_bundle: Path, tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server that pings a quiet connection after 1 s and gives the ping 1 s; no idle or age limit."""
+    yield from _serve(start_process(tiny_bundle, tmp_path / "pinging", "--keepalive-time-s", "1",
+                                    "--keepalive-timeout-s", "1", "--max-connection-idle-s", "0",
+                                    "--max-connection-age-s", "0"))
 
 
 def _serve(process: ServerProcess) -> Iterator[ServerProcess]:
@@ -161,4 +169,18 @@ async def test_a_connection_without_calls_is_closed_after_the_idle_limit(limited
     assert ended.how == "goaway", ended
     assert ended.goaway_text in (b"", b"connection idle"), ended  # empty: lost with a PING in the same read
     async with grpc.aio.insecure_channel(limited.target) as channel:
+        assert await health(channel) == SERVING
+
+
+async def test_a_peer_that_stops_answering_pings_is_disconnected(pinging: ServerProcess):
+    # An open call (headers only) so that only keepalive, not an idle limit, can end the connection;
+    # then nothing more is answered, as from a peer whose host died. Bounded at 30 s (about 2 s expected).
+    with RawH2(pinging.ports["port"]) as client:
+        client.conn.send_headers(client.conn.get_next_available_stream_id(), grpc_headers(client.port))
+        client.sock.sendall(client.conn.data_to_send())
+        assert await asyncio.to_thread(client.read_until_closed, 30.0), "a dead peer's connection was kept"
+    async with grpc.aio.insecure_channel(pinging.target) as channel:  # a live client is not: it answers pings
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        for _ in range(3):
+            assert len((await stub.Encode(ids_request([1, 2]), timeout=10)).outputs) == 1
         assert await health(channel) == SERVING
