@@ -22,25 +22,19 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from bench.server_process import ROOT, ServerProcess
 from proto.attention.v1 import attention_pb2_grpc
-from tests.conftest import ids_request
 from tests.h2_client import RawH2, grpc_headers
-from tests.reliability_helpers import REPO, ServerProcess, assert_clean_status, health, start_process
+from tests.helpers import free_port, health, ids_request
+from tests.reliability_helpers import assert_clean_status
 
 FLOOD_STREAMS = 20_000  # the burst that made other connections' calls fail CANCELLED (6-11 of 30-60)
 FLOOD_SECONDS = 20.0  # it takes about 0.5 s; the bound is for a slow machine
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_a_metrics_port_in_use_stops_start_up_with_one_clean_line(tiny_bundle: Path):
-    grpc_port = _free_port()
+    grpc_port = free_port()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -48,7 +42,7 @@ def test_a_metrics_port_in_use_stops_start_up_with_one_clean_line(tiny_bundle: P
         result = subprocess.run(
             [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(grpc_port),
              "--metrics-port", str(metrics_port), "--model", str(tiny_bundle), "--no-warmup"],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
         )
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
@@ -73,22 +67,22 @@ def server(tiny_bundle: Path, tmp_path: Path, token: str | None) -> Iterator[Ser
     """`python -m service` with the default limits (bearer tokens on or off), so the flood does not
     share the server's process (and its GIL) with the client."""
     env = {"ATTN_AUTH_TOKENS": token} if token else {}
-    yield from _serve(start_process(tiny_bundle, tmp_path / "server", env=env))
+    yield from _serve(ServerProcess(tiny_bundle, directory=tmp_path / "server", env=env))
 
 
 @pytest.fixture(scope="module")
 def limited(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A server with small connection limits: idle 1 s, age 2 s (+-10%), grace 1 s."""
-    yield from _serve(start_process(tiny_bundle, tmp_path_factory.mktemp("limited"), "--max-connection-idle-s", "1",
-                                    "--max-connection-age-s", "2", "--max-connection-age-grace-s", "1"))
+    yield from _serve(ServerProcess(tiny_bundle, "--max-connection-idle-s", "1", "--max-connection-age-s", "2",
+                                    "--max-connection-age-grace-s", "1", directory=tmp_path_factory.mktemp("limited")))
 
 
 @pytest.fixture
 def pinging(tiny_bundle: Path, tmp_path: Path) -> Iterator[ServerProcess]:
     """A server that pings a quiet connection after 1 s and gives the ping 1 s; no idle or age limit."""
-    yield from _serve(start_process(tiny_bundle, tmp_path / "pinging", "--keepalive-time-s", "1",
-                                    "--keepalive-timeout-s", "1", "--max-connection-idle-s", "0",
-                                    "--max-connection-age-s", "0"))
+    yield from _serve(ServerProcess(tiny_bundle, "--keepalive-time-s", "1", "--keepalive-timeout-s", "1",
+                                    "--max-connection-idle-s", "0", "--max-connection-age-s", "0",
+                                    directory=tmp_path / "pinging"))
 
 
 def _serve(process: ServerProcess) -> Iterator[ServerProcess]:

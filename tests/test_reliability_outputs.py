@@ -17,16 +17,16 @@ import grpc
 import numpy as np
 import pytest
 
-from client.tensors import from_tensor, to_tensor
 from model.bundle import save_bundle
 from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import from_tensor, to_tensor
 from service import validation
 from service.errors import OutputOverflow
 from service.jobs import Output
 from service.output_range import check_representable
-from tests.conftest import ids_request
+from tests.helpers import ids_request
 from tests.reliability_helpers import assert_clean_status, batches
 
 Code = grpc.StatusCode
@@ -74,7 +74,7 @@ async def test_the_response_size_estimate_bounds_the_real_response_from_above(
         served: Any, request_index: int):
     request = REQUESTS[request_index]
     response = await served.stub.Encode(request, timeout=10)
-    spec = served.server.state.spec
+    spec = served.server.serving.spec
     estimate = validation.response_bytes(validation.validate(request, spec, served.server.config), spec)
     assert response.ByteSize() <= estimate <= response.ByteSize() + 64 * len(request.sequences) + 64
 
