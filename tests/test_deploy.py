@@ -21,7 +21,10 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry
 
+from service.config import CHOICES
+from service.metrics import Metrics
 from tests import prometheus_server as prometheus_harness
 from tests.prometheus_server import PrometheusError, is_one, prometheus_server
 
@@ -280,6 +283,38 @@ def test_only_the_grpc_port_is_public(compose: tuple[str, dict[str, Any]]) -> No
                 assert (name, int(port["target"])) == ("attention", GRPC_PORT), f"{name}: public port {port}"
 
 
+def test_every_port_is_on_loopback_by_default(compose: tuple[str, dict[str, Any]]) -> None:
+    """The gRPC port carries neither TLS nor tokens as shipped, so it too is published on 127.0.0.1 unless
+    ATTN_PUBLISH_ADDR says otherwise (issue 16 item 12)."""
+    _, model = compose
+    for name, service in model["services"].items():
+        for port in service.get("ports", []):
+            assert port.get("host_ip") == "127.0.0.1", f"{name}: {port} is not on loopback"
+
+
+def test_grpc_port_is_published_where_attn_publish_addr_says(compose_env: dict[str, str]) -> None:
+    model = json.loads(_compose("cpu", {**compose_env, "ATTN_PUBLISH_ADDR": "0.0.0.0"}, "config", "--format", "json"))
+    by_target = {int(p["target"]): p for p in model["services"]["attention"]["ports"]}
+    assert by_target[GRPC_PORT]["host_ip"] == "0.0.0.0"
+    assert by_target[METRICS_PORT]["host_ip"] == "127.0.0.1", "the switch opens the gRPC port only"
+
+
+def test_healthcheck_probes_quickly_while_starting(compose: tuple[str, dict[str, Any]]) -> None:
+    """start_interval: healthy about 2 s after warm-up, not up to one 10 s interval later; the Dockerfile
+    says the same."""
+    _, model = compose
+    check = model["services"]["attention"]["healthcheck"]
+    assert parse_duration(check["start_interval"]) <= 2 < parse_duration(check["interval"]), check
+    healthcheck = dict(dockerfile_instructions())["HEALTHCHECK"]
+    assert "--start-interval=2s" in healthcheck, healthcheck
+
+
+def test_dockerfile_needs_no_frontend_image() -> None:
+    """A `# syntax=` line makes BuildKit pull the docker/dockerfile image first: offline builds fail."""
+    first = (REPO / "Dockerfile").read_text().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first, re.IGNORECASE), first
+
+
 def test_attention_container_hardening(compose: tuple[str, dict[str, Any]]) -> None:
     """Non-root, init as PID 1, read-only root with a writable cache volume, gRPC health probe."""
     _, model = compose
@@ -402,6 +437,30 @@ def test_alert_rules_contract() -> None:
         assert f"alertname: {name}\n" in tested, f"{name} has no promtool test in alerts_test.yml"
     scrape_jobs = {c["job_name"] for c in _load_yaml(PROM_DIR / "prometheus.yml")["scrape_configs"]}
     assert "attention" in scrape_jobs
+
+
+def test_counters_that_alerts_watch_exist_at_zero_from_startup() -> None:
+    """A labelled counter whose series is born at its first increase hides that increase from rate(), so
+    a one-off burst never fires (issue 16 item 11; the promtool test shows both cases). Every labelled
+    counter an alert reads exists at 0 in a fresh process: each value the rule matches on, and every
+    precision the service can run at."""
+    samples = [(s.name, s.labels, s.value) for family in Metrics(CollectorRegistry()).registry.collect()
+               for s in family.samples]
+    rules = [rule for group in _load_yaml(PROM_DIR / "alerts.yml")["groups"] for rule in group["rules"]]
+    watched = 0
+    for rule in rules:
+        expr = rule["expr"]
+        for name in promql_metric_names(expr) & {n for n, labels in COUNTERS.items() if labels}:
+            watched += 1
+            series = [labels for n, labels, value in samples if n == name and value == 0]
+            assert series, f"alert {rule['alert']}: {name} has no series at start-up"
+            matchers = [m for body in _MATCHERS.findall(expr) for m in re.findall(r'(\w+)\s*=\s*"([^"]*)"', body)]
+            for label, value in matchers:
+                if label in COUNTERS[name]:
+                    assert any(s.get(label) == value for s in series), f"{name}{{{label}={value!r}}} missing at 0"
+    assert watched >= 2, "the rules no longer read a labelled counter: revisit this test"
+    precisions = {labels["precision"] for n, labels, _ in samples if n == "attention_nonfinite_outputs_total"}
+    assert precisions == set(CHOICES["precision"]) - {"auto"}, precisions
 
 
 # --- Grafana -------------------------------------------------------------------------------------------
