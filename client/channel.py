@@ -5,7 +5,11 @@ Defaults match the server (DESIGN.md, RELIABILITY.md rows 12, 17, 36):
 - keepalive pings every 30 s, also when idle, with a 10 s timeout (the server permits one per 10 s);
 - a retry policy on the AttentionService methods for UNAVAILABLE and RESOURCE_EXHAUSTED, with
   exponential backoff; health checks are not retried, so a probe answers fast;
-- `round_robin` over every address a target resolves to (several targets, or a `dns:///` name).
+- `round_robin` over every address a target resolves to (several targets, or a `dns:///` name, e.g.
+  a headless Kubernetes Service), with gRPC's client-side health checking: each address is watched
+  (`grpc.health.v1.Health/Watch`) on the readiness name `attention.v1.AttentionService`, and only
+  SERVING ones get calls, so a warming or draining replica leaves the rotation before it refuses calls.
+  A server that does not implement Watch (UNIMPLEMENTED) is treated as healthy.
 """
 
 from __future__ import annotations
@@ -80,8 +84,12 @@ class TLS:
 
 
 def service_config(retry: RetryPolicy | None = DEFAULT_RETRY) -> str:
-    """The service config JSON: round_robin balancing, and the retry policy on AttentionService."""
-    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    """The service config JSON: round_robin balancing over the addresses whose readiness is SERVING
+    (client-side health checking), and the retry policy on AttentionService."""
+    config: dict[str, Any] = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "healthCheckConfig": {"serviceName": SERVICE},
+    }
     if retry is not None:
         config["methodConfig"] = [{
             "name": [{"service": SERVICE}],
