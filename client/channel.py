@@ -9,7 +9,9 @@ Defaults match the server (DESIGN.md, RELIABILITY.md rows 12, 17, 36):
   a headless Kubernetes Service), with gRPC's client-side health checking: each address is watched
   (`grpc.health.v1.Health/Watch`) on the readiness name `attention.v1.AttentionService`, and only
   SERVING ones get calls, so a warming or draining replica leaves the rotation before it refuses calls.
-  A server that does not implement Watch (UNIMPLEMENTED) is treated as healthy.
+  A server that does not implement Watch (UNIMPLEMENTED) is treated as healthy. Health checks
+  themselves go over a second channel without it (`HEALTH_PROBE_OPTIONS`), so that `health()` reaches
+  a NOT_SERVING server and reports NOT_SERVING rather than failing with "backend unhealthy".
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the server's default --max-message-bytes
 
 ChannelOptions = list[tuple[str, Any]]
+# For the channel that asks servers their health: it must reach a NOT_SERVING server.
+HEALTH_PROBE_OPTIONS: ChannelOptions = [("grpc.inhibit_health_checking", 1)]
 
 
 @dataclass(frozen=True)

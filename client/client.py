@@ -20,6 +20,7 @@ from client.channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RETRY,
     DEFAULT_TIMEOUT_S,
+    HEALTH_PROBE_OPTIONS,
     TLS,
     RetryPolicy,
     call_metadata,
@@ -61,6 +62,7 @@ class _Base:
         self._tls = tls
         self._metadata = call_metadata(token)
         self._options = channel_options(max_message_bytes=max_message_bytes, retry=retry, tls=tls, extra=options)
+        self._probe_options = [*self._options, *HEALTH_PROBE_OPTIONS]
         self._max_message_bytes = max_message_bytes
 
     def _request(self, sequences: Sequences, options: EncodeOptions, request_id: str) -> pb.EncodeRequest:
@@ -112,6 +114,7 @@ class EncoderClient(_Base):
                          retry=retry, options=options)
         # Opened on first use: a grpc.aio channel belongs to the event loop it is created in.
         self._channel: grpc.aio.Channel | None = None
+        self._probe_channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._health: Any = None
 
@@ -119,7 +122,11 @@ class EncoderClient(_Base):
         if self._channel is None:
             self._channel = open_aio_channel(self.target, self._tls, self._options)
             self._stub = _stubs.AttentionServiceStub(self._channel)
-            self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _open_probe(self) -> None:
+        if self._probe_channel is None:
+            self._probe_channel = open_aio_channel(self.target, self._tls, self._probe_options)
+            self._health = health_pb2_grpc.HealthStub(self._probe_channel)
 
     async def __aenter__(self) -> Self:
         self._open()
@@ -134,6 +141,9 @@ class EncoderClient(_Base):
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close()
+        if self._probe_channel is not None:
+            probe, self._probe_channel = self._probe_channel, None
+            await probe.close()
 
     async def encode(self, sequences: Sequences, *, pooling: Pooling = "none", return_hidden: bool = True,
                      output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
@@ -175,8 +185,9 @@ class EncoderClient(_Base):
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """`grpc.health.v1` status of `service` ("" = the process, "attention.v1.AttentionService" =
         ready to encode): "SERVING", "NOT_SERVING", or "SERVICE_UNKNOWN" for a name the server
-        does not know. An unreachable server raises `Unavailable`."""
-        self._open()
+        does not know. An unreachable server raises `Unavailable`. Asked over a channel of its own
+        without client-side health checking, which would hide a NOT_SERVING server."""
+        self._open_probe()
         request = health_pb2.HealthCheckRequest(service=service)
         try:
             response = await self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)
@@ -242,7 +253,8 @@ class SyncEncoderClient(_Base):
                          retry=retry, options=options)
         self._channel = open_sync_channel(self.target, self._tls, self._options)
         self._stub = _stubs.AttentionServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._probe_channel: grpc.Channel | None = None
+        self._health: Any = None
 
     def __enter__(self) -> Self:
         return self
@@ -253,6 +265,8 @@ class SyncEncoderClient(_Base):
 
     def close(self) -> None:
         self._channel.close()
+        if self._probe_channel is not None:
+            self._probe_channel.close()
 
     def encode(self, sequences: Sequences, *, pooling: Pooling = "none", return_hidden: bool = True,
                output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
@@ -278,6 +292,9 @@ class SyncEncoderClient(_Base):
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """See `EncoderClient.health`."""
+        if self._probe_channel is None:
+            self._probe_channel = open_sync_channel(self.target, self._tls, self._probe_options)
+            self._health = health_pb2_grpc.HealthStub(self._probe_channel)
         request = health_pb2.HealthCheckRequest(service=service)
         try:
             response = self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)
