@@ -9,7 +9,10 @@ Defaults match the server (DESIGN.md, RELIABILITY.md rows 12, 17, 36):
   a headless Kubernetes Service), with gRPC's client-side health checking: each address is watched
   (`grpc.health.v1.Health/Watch`) on the readiness name `attention.v1.AttentionService`, and only
   SERVING ones get calls, so a warming or draining replica leaves the rotation before it refuses calls.
-  A server that does not implement Watch (UNIMPLEMENTED) is treated as healthy. Health checks
+  A server that does not implement Watch (UNIMPLEMENTED) is treated as healthy. This is on for
+  several addresses and `dns:` names, and off for one `host:port` (`wants_health_check`): behind a
+  proxy such as Envoy, the proxy health-checks the replicas, and a Watch through it would report
+  whichever replica it reached, taking the proxy itself out of rotation when that one drains. Health checks
   themselves go over a second channel without it (`HEALTH_PROBE_OPTIONS`), so that `health()` reaches
   a NOT_SERVING server and reports NOT_SERVING rather than failing with "backend unhealthy".
 """
@@ -87,13 +90,12 @@ class TLS:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
-def service_config(retry: RetryPolicy | None = DEFAULT_RETRY) -> str:
-    """The service config JSON: round_robin balancing over the addresses whose readiness is SERVING
-    (client-side health checking), and the retry policy on AttentionService."""
-    config: dict[str, Any] = {
-        "loadBalancingConfig": [{"round_robin": {}}],
-        "healthCheckConfig": {"serviceName": SERVICE},
-    }
+def service_config(retry: RetryPolicy | None = DEFAULT_RETRY, *, health_check: bool = True) -> str:
+    """The service config JSON: round_robin balancing, over the addresses whose readiness is SERVING
+    with `health_check` (client-side health checking), and the retry policy on AttentionService."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if health_check:
+        config["healthCheckConfig"] = {"serviceName": SERVICE}
     if retry is not None:
         config["methodConfig"] = [{
             "name": [{"service": SERVICE}],
@@ -108,8 +110,19 @@ def service_config(retry: RetryPolicy | None = DEFAULT_RETRY) -> str:
     return json.dumps(config)
 
 
+def wants_health_check(target: str) -> bool:
+    """Client-side health checking by default: for several addresses (`ipv4:a,b`) and `dns:` names,
+    where the client itself balances over servers, not for one `host:port` (a server or a proxy)."""
+    if target.startswith("dns:"):
+        return True
+    if target.startswith(("ipv4:", "ipv6:")):
+        return "," in target
+    return False
+
+
 def channel_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry: RetryPolicy | None = DEFAULT_RETRY,
-                    tls: TLS | None = None, extra: Sequence[tuple[str, Any]] = ()) -> ChannelOptions:
+                    tls: TLS | None = None, health_check: bool = True,
+                    extra: Sequence[tuple[str, Any]] = ()) -> ChannelOptions:
     """Channel arguments for `grpc.[aio.]{insecure,secure}_channel`; `extra` entries win."""
     options: ChannelOptions = [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -122,7 +135,7 @@ def channel_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry
         # grpc's default (2) stops the pings of an idle channel after two; keep them going.
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1 if retry is not None else 0),
-        ("grpc.service_config", service_config(retry)),
+        ("grpc.service_config", service_config(retry, health_check=health_check)),
     ]
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))

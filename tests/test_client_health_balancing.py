@@ -12,7 +12,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 
 from client import EncoderClient
-from client.channel import service_config
+from client.channel import service_config, wants_health_check
 from service.servicer import SERVICE_NAME
 from tests.conftest import Running
 
@@ -37,6 +37,17 @@ def test_service_config_watches_the_readiness_name() -> None:
     config = json.loads(service_config())
     assert config["healthCheckConfig"] == {"serviceName": SERVICE_NAME}
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert "healthCheckConfig" not in json.loads(service_config(health_check=False))
+
+
+def test_health_checking_is_on_where_the_client_balances() -> None:
+    """On for several addresses and dns: names; off for one host:port, which may be a proxy whose
+    Watch would report whichever replica it reached."""
+    assert wants_health_check("ipv4:127.0.0.1:1,127.0.0.1:2")
+    assert wants_health_check("dns:///attention.default.svc.cluster.local:50051")
+    assert not wants_health_check("127.0.0.1:50051") and not wants_health_check("ipv4:127.0.0.1:1")
+    assert "healthCheckConfig" not in dict(EncoderClient("127.0.0.1:1")._options)["grpc.service_config"]
+    assert "healthCheckConfig" in dict(EncoderClient(["127.0.0.1:1", "127.0.0.1:2"])._options)["grpc.service_config"]
 
 
 async def test_round_robin_skips_a_not_serving_server(start_server: Callable[..., Any]) -> None:
