@@ -266,8 +266,8 @@ class EncoderClient(_Base):
                 finally:
                     stop.cancel()
                     if not take.done():
-                        take.cancel()
-                if take.cancelled():
+                        take.cancel()  # a get cancelled before it returned takes nothing from the queue
+                if not take.done():
                     return  # draining: half-close, so the server answers what it holds and ends
                 taken = take.result()
                 if taken is None:
