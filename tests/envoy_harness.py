@@ -76,9 +76,8 @@ def loopback_config(base: dict[str, Any], ports: Sequence[int], *, fast: bool) -
     for listener in config["static_resources"]["listeners"]:
         listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": 0}
     replicas = cluster(config)
+    replicas.pop("cluster_type")
     replicas["type"] = "STATIC"
-    for key in ("dns_lookup_family", "dns_refresh_rate", "respect_dns_ttl"):
-        replicas.pop(key, None)
     replicas["load_assignment"]["endpoints"] = [{"lb_endpoints": [
         {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
         for port in ports]}]
