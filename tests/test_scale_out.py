@@ -39,7 +39,8 @@ from tests.envoy_harness import Envoy, drain_floor_s, envoy_server, find_envoy, 
 from tests.prometheus_server import prometheus_server
 from tests.reliability_helpers import REPO, ServerProcess, scrape
 
-pytestmark = pytest.mark.skipif(find_envoy() is None, reason="envoy-server is not installed (requirements-dev.txt)")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(find_envoy() is None, reason="envoy-server is not installed (requirements-dev.txt)")]
 
 REPLICAS = 3
 DRAIN_DELAY_S = 2.0  # > the fast config's drain floor (0.7 s): see test_the_drain_rule_holds_here
