@@ -121,9 +121,11 @@ def wants_health_check(target: str) -> bool:
 
 
 def channel_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry: RetryPolicy | None = DEFAULT_RETRY,
-                    tls: TLS | None = None, health_check: bool = True,
+                    tls: TLS | None = None, health_check: bool = False,
                     extra: Sequence[tuple[str, Any]] = ()) -> ChannelOptions:
-    """Channel arguments for `grpc.[aio.]{insecure,secure}_channel`; `extra` entries win."""
+    """Channel arguments for `grpc.[aio.]{insecure,secure}_channel`; `extra` entries win. The clients
+    pass `health_check=wants_health_check(target)`; off by default here, so a channel built from
+    these options reaches a NOT_SERVING server unless asked otherwise."""
     options: ChannelOptions = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
