@@ -16,8 +16,8 @@ from client import EncoderClient
 from client.channel import service_config, wants_health_check
 from client.errors import Unavailable
 from client.messages import EncodeResult, StreamRequest
-from service.servicer import SERVICE_NAME
-from tests.conftest import Running
+from proto.attention.v1.wire import SERVICE_NAME
+from tests.helpers import Running
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

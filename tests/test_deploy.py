@@ -23,9 +23,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from proto.attention.v1.wire import SERVICE_NAME
 from service.config import CHOICES
-from service.metrics import Metrics
-from service.servicer import SERVICE_NAME
+from service.metrics import Metrics, metric_families
 from tests import prometheus_server as prometheus_harness
 from tests.envoy_harness import SHIPPED as ENVOY_CONFIG
 from tests.envoy_harness import cluster as envoy_cluster
@@ -46,36 +46,13 @@ COMPOSE_VARIANTS = {
 GRPC_PORT, METRICS_PORT = 50051, 9464
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
-# The metrics contract (DESIGN.md, service/metrics.py): family -> its labels. Alerts and the dashboard may
-# use only these (plus `up`), so a renamed metric or label fails here rather than on an empty panel.
-HISTOGRAMS: dict[str, set[str]] = {
-    "attention_request_duration_seconds": {"method", "code"},
-    "attention_queue_duration_seconds": set(),
-    "attention_compute_duration_seconds": {"precision"},
-    "attention_batch_size": set(),
-    "attention_batch_tokens": set(),
-    "attention_padding_ratio": set(),
-    "grpc_server_handling_seconds": {"grpc_type", "grpc_service", "grpc_method"},
-}
-GAUGES: dict[str, set[str]] = {
-    "attention_queue_depth": set(),
-    "attention_queue_tokens": set(),
-    "attention_queue_limit_tokens": set(),
-    "attention_ready": set(),
-    "attention_model_info": {"name", "version", "device", "precision"},
-}
-COUNTERS: dict[str, set[str]] = {
-    "attention_requests_total": {"method", "code"},
-    "attention_sequences_total": set(),
-    "attention_nonfinite_outputs_total": {"precision"},
-    "attention_fp32_retries_total": set(),
-    "attention_nonfinite_inputs_total": set(),
-    "attention_failures_total": {"reason"},
-    "attention_dropped_total": {"reason"},
-    "attention_batches_total": {"width"},
-    "grpc_server_started_total": {"grpc_type", "grpc_service", "grpc_method"},
-    "grpc_server_handled_total": {"grpc_type", "grpc_service", "grpc_method", "grpc_code"},
-}
+# The metrics contract (service/metrics.py, pinned by tests/test_metrics.py): family -> its labels. Alerts and
+# the dashboard may use only these (plus `up`), so a renamed metric or label fails here rather than on an
+# empty panel.
+_FAMILIES = metric_families()
+HISTOGRAMS = {name: set(labels) for name, (kind, labels) in _FAMILIES.items() if kind == "histogram"}
+GAUGES = {name: set(labels) for name, (kind, labels) in _FAMILIES.items() if kind == "gauge"}
+COUNTERS = {name: set(labels) for name, (kind, labels) in _FAMILIES.items() if kind == "counter"}
 # Envoy's own series the dashboard reads (docker-compose.scale.yml, deploy/k8s); test_envoy_exports_them
 # checks them against a running Envoy's /stats/prometheus.
 ENVOY_SERIES: dict[str, set[str]] = {

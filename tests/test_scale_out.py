@@ -17,11 +17,8 @@ bounded in calls and in time; nothing waits on a sleep to decide an outcome.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,13 +28,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.server_process import ServerProcess
 from client import EncoderClient
 from client.errors import ClientError
 from client.messages import EncodeResult, StreamRequest
-from service.servicer import SERVICE_NAME
+from proto.attention.v1.wire import SERVICE_NAME
 from tests.envoy_harness import Envoy, drain_floor_s, envoy_server, find_envoy, load_config, loopback_config
 from tests.prometheus_server import prometheus_server
-from tests.reliability_helpers import REPO, ServerProcess, scrape
+from tests.replica import READINESS_SWITCH
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(find_envoy() is None, reason="envoy-server is not installed (requirements-dev.txt)")]
@@ -51,24 +49,10 @@ Answers = dict[str, list[EncodeResult | ClientError]]
 
 
 def start_replica(bundle: Path, directory: Path, port: int = 0, metrics_port: int = 0) -> ServerProcess:
-    """A replica (`python -m tests.replica`: the service plus SIGUSR1/2 readiness switches), SERVING."""
-    directory.mkdir(parents=True, exist_ok=True)
-    ready, log = directory / "ready.json", directory / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.replica", "--host", "127.0.0.1", "--port", str(port),
-             "--metrics-port", str(metrics_port), "--model", str(bundle), "--ready-file", str(ready),
-             "--drain-delay-s", str(DRAIN_DELAY_S), "--drain-grace-s", str(DRAIN_GRACE_S), "--log-level", "info"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    end = time.monotonic() + 90
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            raise AssertionError(f"replica did not become ready:\n{log.read_text(errors='replace')[-3000:]}")
-        time.sleep(0.05)
-    return ServerProcess(proc, json.loads(ready.read_text()), log)
+    """A replica with the SIGUSR1/2 readiness switch (tests/replica.py), SERVING when this returns."""
+    return ServerProcess(bundle, "--port", str(port), "--metrics-port", str(metrics_port),
+                         "--drain-delay-s", str(DRAIN_DELAY_S), "--drain-grace-s", str(DRAIN_GRACE_S),
+                         "--log-level", "info", directory=directory, timeout=90, prelude=READINESS_SWITCH)
 
 
 @dataclass
@@ -407,7 +391,7 @@ async def test_prometheus_sums_the_replicas(fleet: Fleet) -> None:
 
 def replica_buckets(replica: ServerProcess) -> dict[float, float]:
     buckets: dict[float, float] = {}
-    for (name, labels), value in scrape(replica.ports["metrics_port"]).items():
+    for (name, labels), value in replica.scrape().items():
         label = dict(labels)
         if name == "attention_request_duration_seconds_bucket" and label.get("method") == "Encode":
             le = float(label["le"])
