@@ -5,8 +5,8 @@ A bundle is a directory:
   manifest.json  {format_version, name, version, config, sha256, weights_sha256, dtype,
                   validated_precisions, created_at, source}
 Loading needs torch and json only, never our Python classes (fault bundles need their ops registered:
-load_bundle imports model.faults for them). torch 2.13 deprecates torch.jit; keeping every call here
-lets torch.export replace it behind the same two functions.
+load_bundle imports model.fault_ops, which imports torch alone, for them). torch 2.13 deprecates
+torch.jit; keeping every call here lets torch.export replace it behind the same two functions.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from model.config import EncoderConfig
 FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
-FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.faults registers
+FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.fault_ops registers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest relative error of reduced-precision hidden states vs fp32 that export accepts (max |diff| /
 # max |fp32|); measured values are in model/encoder.py's docstring and held by test_model_numerics.
@@ -264,7 +264,8 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
             "the file is corrupt or was replaced"
         )
     if manifest.name == FAULT_MODEL_NAME:
-        import model.faults  # noqa: F401  (registers the attention_faults ops its TorchScript calls)
+        # Imported here, not at the top: registering the ops is a side effect other bundles do not need.
+        import model.fault_ops  # noqa: F401  (registers the attention_faults ops its TorchScript calls)
     try:
         with _quiet_jit():
             module = torch.jit.load(str(model_path), map_location=device)
