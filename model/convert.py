@@ -24,7 +24,11 @@ Ops (`src` is a source key or, for the ops that take several, a list of keys or 
                applies it to every head; a shared (d_head,) bias -> tiled n_heads times
   fold         the product src[0] @ src[1] @ ...: linear maps applied one after the other (last first)
   zeros, ones  no source: what a module without that parameter computes (bias=False: zeros)
-Entries for parameters this config does not have (ln_f without final_norm, say) are skipped.
+A top-level spec may say "absent": "zeros" | "ones": if none of its source keys is in the state_dict, the
+parameter is that (one map then reads Linear(bias=True) and Linear(bias=False) models; some keys present
+and some not is still an error). Entries for parameters this config does not have (ln_f without
+final_norm, say) are skipped. "requires" values are a value, a list of allowed values, or for
+attention_scale "1/sqrt(d_head)" or "1/sqrt(d_model)".
 
 Public API: ConversionError; KeyMap (.load(path), .builtin(name), .from_dict(data), .with_vars(**v));
 convert(state_dict, config, keymap, strict=False) -> Encoder; resolve(keymap, config) -> {ours: spec};
@@ -42,6 +46,7 @@ norm_first, activation, layer_norm_eps and the positional encoding must be set i
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -95,7 +100,7 @@ class KeyMap:
         bad_requires = sorted(set(data.get("requires", {})) - config_fields)
         if bad_requires:
             raise ConversionError(f"key map {name}: requires names unknown EncoderConfig fields {bad_requires}")
-        problems = [p for ours, spec in params.items() for p in _check_spec(spec, str(ours))]
+        problems = [p for ours, spec in params.items() for p in _check_spec(spec, str(ours), top=True)]
         if problems:
             raise ConversionError(f"key map {name}: " + "; ".join(problems))
         checked = data.get("checked")
@@ -138,16 +143,18 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in KEYMAP_DIR.glob("*.json"))
 
 
-def _check_spec(spec: Any, where: str) -> list[str]:
+def _check_spec(spec: Any, where: str, top: bool = False) -> list[str]:
     """Problems with the form of one spec (not its keys or shapes), for a load-time error."""
     if isinstance(spec, str):
         return []
     if not isinstance(spec, Mapping) or spec.get("op") not in OPS:
         op = spec.get("op") if isinstance(spec, Mapping) else spec
         return [f"{where}: op {op!r} is not one of {list(OPS)}"]
-    extra = sorted(set(spec) - {"op", "src"})
+    extra = sorted(set(spec) - {"op", "src", *(["absent"] if top else [])})
     if extra:
         return [f"{where}: unknown spec fields {extra}"]
+    if spec.get("absent", "zeros") not in _NO_SRC:
+        return [f"{where}: absent must be 'zeros' or 'ones', got {spec['absent']!r}"]
     op, src = spec["op"], spec.get("src")
     if op in _NO_SRC:
         return [] if src is None else [f"{where}: {op} takes no src"]
@@ -213,6 +220,15 @@ def resolve(keymap: KeyMap, config: EncoderConfig) -> dict[str, Any]:
     for name, allowed in keymap.requires.items():
         allowed_values = allowed if isinstance(allowed, list) else [allowed]
         value = getattr(config, name)
+        if name == "attention_scale":  # the scale the config means against the formula the source uses
+            formulas = {"1/sqrt(d_head)": config.d_head, "1/sqrt(d_model)": config.d_model}
+            wants = [1.0 / math.sqrt(formulas[a]) if a in formulas else a for a in allowed_values]
+            if not any(w is not None and math.isclose(config.scale, w, rel_tol=1e-12) for w in wants) and not (
+                    None in wants and value is None):
+                problems.append(f"config field attention_scale={value!r} (scale {config.scale:.6g}): the source "
+                                f"layout of key map {keymap.name} scales by "
+                                f"{' or '.join(map(str, allowed_values))} = {' or '.join(f'{w:.6g}' for w in wants)}")
+            continue
         if value not in allowed_values:
             problems.append(f"config field {name}={value!r}: the source layout of key map {keymap.name} cannot "
                             f"express it (it has {name}={' or '.join(map(repr, allowed_values))})")
@@ -309,13 +325,16 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
     encoder = Encoder(config)
     expected = encoder.state_dict()
     variables = keymap.vars
-    wanted = {k for spec in plan.values() for k in _sources(spec)}
     ignored_known = set(_expand_prefixes(keymap.ignore, variables))
     checked = None if keymap.checked is None else _expand_prefixes(keymap.checked, variables)
 
     def is_checked(key: str) -> bool:
         return strict or checked is None or key.startswith(checked)
 
+    # "absent": a parameter none of whose sources is there is zeros/ones (a Linear built with bias=False).
+    absent = {ours for ours, spec in plan.items()
+              if "absent" in spec and _sources(spec) and not any(k in state_dict for k in _sources(spec))}
+    wanted = {k for ours, spec in plan.items() if ours not in absent for k in _sources(spec)}
     missing = sorted(k for k in wanted if k not in state_dict)
     unused = [k for k in state_dict if k not in wanted and k not in ignored_known]
     unexpected = sorted(k for k in unused if is_checked(k))
@@ -331,6 +350,8 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
                if k not in bad_keys}
     ours_sd: dict[str, torch.Tensor] = {}
     for ours, spec in plan.items():
+        if ours in absent:
+            spec = {"op": spec["absent"]}
         if any(k not in tensors for k in _sources(spec)):
             continue  # already reported as missing or mis-typed
         want = tuple(expected[ours].shape)
