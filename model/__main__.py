@@ -3,6 +3,7 @@
   python -m model default --out DIR [--seed N]
   python -m model convert --state-dict FILE.pt --config CONFIG.json --out DIR --name N --version V
                           [--key-map stock|article_mha|article_einsum|FILE.json|FILE.toml] [--var NAME=VALUE ...]
+  python -m model check DIR --reference module.py:factory [--atol 1e-5]   # exit 1 over the tolerance
   python -m model info DIR
 """
 
@@ -56,6 +57,14 @@ def _parse_var(text: str) -> tuple[str, str]:
     return name, value
 
 
+def _check(args: argparse.Namespace) -> dict[str, object]:
+    from model.check import check_bundle, load_reference
+
+    result = check_bundle(args.directory, load_reference(args.reference)(), atol=args.atol, seed=args.seed)
+    args.exit_code = 0 if result.ok else 1
+    return {"bundle": str(args.directory), "reference": args.reference, **result.to_dict()}
+
+
 def _info(args: argparse.Namespace) -> dict[str, object]:
     return read_manifest(args.directory).to_dict()
 
@@ -102,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "head)")
     p.set_defaults(run=_convert)
 
+    p = sub.add_parser("check", help="compare a bundle with the eager model it was converted from",
+                       description="Run the eager model from --reference and the bundle on random batches of "
+                       "mixed lengths, with and without the causal mask, and print the worst difference on real "
+                       "positions (JSON). Exit status 1 when it exceeds --atol. The contract of the reference is "
+                       "in model/check.py.")
+    p.add_argument("directory", type=Path, help="bundle directory")
+    p.add_argument("--reference", required=True, metavar="MODULE.py:FACTORY",
+                   help="factory() returns the eager model; forward(ids, mask) -> hidden (B, T, d_model)")
+    p.add_argument("--atol", type=float, default=1e-5, help="largest accepted absolute difference (default: 1e-5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.set_defaults(run=_check)
+
     p = sub.add_parser("info", help="print a bundle's manifest", description="Print DIR/manifest.json, checked.")
     p.add_argument("directory", type=Path, help="bundle directory")
     p.set_defaults(run=_info)
@@ -112,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.run(args)
-    except (BundleError, ConversionError) as e:
+    except (BundleError, ConversionError, ValueError) as e:  # CheckError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
-    return 0
+    return getattr(args, "exit_code", 0)
 
 
 if __name__ == "__main__":
