@@ -24,7 +24,9 @@ Ops (`src` is a source key or, for the ops that take several, a list of keys or 
                applies it to every head; a shared (d_head,) bias -> tiled n_heads times
   fold         the product src[0] @ src[1] @ ...: linear maps applied one after the other (last first)
   zeros, ones  no source: what a module without that parameter computes (bias=False: zeros)
-A top-level spec may say "absent": "zeros" | "ones": if none of its source keys is in the state_dict, the
+Any spec may say "times": a number, to multiply its result (an embedding the model scales by
+sqrt(d_model) in forward becomes the table times that: the same fp32 products). A top-level spec may say
+"absent": "zeros" | "ones": if none of its source keys is in the state_dict, the
 parameter is that (one map then reads Linear(bias=True) and Linear(bias=False) models; some keys present
 and some not is still an error). Entries for parameters this config does not have (ln_f without
 final_norm, say) are skipped. "requires" values are a value, a list of allowed values, or for
@@ -150,9 +152,12 @@ def _check_spec(spec: Any, where: str, top: bool = False) -> list[str]:
     if not isinstance(spec, Mapping) or spec.get("op") not in OPS:
         op = spec.get("op") if isinstance(spec, Mapping) else spec
         return [f"{where}: op {op!r} is not one of {list(OPS)}"]
-    extra = sorted(set(spec) - {"op", "src", *(["absent"] if top else [])})
+    extra = sorted(set(spec) - {"op", "src", "times", *(["absent"] if top else [])})
     if extra:
         return [f"{where}: unknown spec fields {extra}"]
+    times = spec.get("times", 1.0)
+    if isinstance(times, bool) or not isinstance(times, int | float) or not math.isfinite(times):
+        return [f"{where}: times must be a finite number, got {times!r}"]
     if spec.get("absent", "zeros") not in _NO_SRC:
         return [f"{where}: absent must be 'zeros' or 'ones', got {spec['absent']!r}"]
     op, src = spec["op"], spec.get("src")
@@ -264,10 +269,11 @@ def _sources(spec: Mapping[str, Any]) -> list[str]:
 
 def _describe(spec: Mapping[str, Any]) -> str:
     src = spec.get("src")
-    if src is None:
-        return spec["op"]
-    parts = src if isinstance(src, list) else [src]
-    return f"{spec['op']}({', '.join(s if isinstance(s, str) else _describe(s) for s in parts)})"
+    parts = [] if src is None else src if isinstance(src, list) else [src]
+    text = spec["op"]
+    if parts:
+        text += f"({', '.join(s if isinstance(s, str) else _describe(s) for s in parts)})"
+    return f"{text} * {spec['times']}" if "times" in spec else text
 
 
 class _NotApplicable(Exception):
@@ -277,6 +283,12 @@ class _NotApplicable(Exception):
 def _apply(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor], config: EncoderConfig,
            shape: tuple[int, ...]) -> torch.Tensor:
     """Evaluate one spec to a tensor; `shape` is the target's (used by zeros/ones and reshape only)."""
+    x = _apply_op(spec, state, config, shape)
+    return x * float(spec["times"]) if "times" in spec else x
+
+
+def _apply_op(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor], config: EncoderConfig,
+              shape: tuple[int, ...]) -> torch.Tensor:
     op = spec["op"]
     if op in _NO_SRC:
         return (torch.zeros if op == "zeros" else torch.ones)(shape)
