@@ -3,6 +3,7 @@
   python -m model default --out DIR [--seed N]
   python -m model convert --state-dict FILE.pt --config CONFIG.json --out DIR --name N --version V
                           [--key-map stock|article_mha|article_einsum|FILE.json|FILE.toml] [--var NAME=VALUE ...]
+                          [--reference module.py:factory [--atol 1e-5]]   # checked before it is kept
   python -m model check DIR --reference module.py:factory [--atol 1e-5]   # exit 1 over the tolerance
   python -m model info DIR
 """
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from model.bundle import BundleError, read_manifest, save_bundle
+from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, save_bundle
 from model.config import EncoderConfig
 from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
@@ -47,7 +48,25 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
     if keymap.name != "stock":
         source += f",key_map:{keymap.name if args.key_map in builtin_names() else Path(args.key_map).name}"
     manifest = save_bundle(encoder, args.out, name=args.name, version=args.version, source=source)
+    if args.reference:
+        from model.check import check_bundle, load_reference
+
+        try:
+            result = check_bundle(args.out, load_reference(args.reference)(), atol=args.atol)
+            failure = None if result.ok else (f"the converted bundle differs from the reference {args.reference} "
+                                              f"by {result.worst:.3g} (> --atol {args.atol}); no bundle written")
+        except BaseException:
+            _remove_bundle(args.out)
+            raise
+        if failure:
+            _remove_bundle(args.out)
+            raise ConversionError(failure)
     return manifest.to_dict()
+
+
+def _remove_bundle(directory: Path) -> None:
+    for name in (MANIFEST_FILE, MODEL_FILE):  # manifest first: a directory with one is a complete bundle
+        (directory / name).unlink(missing_ok=True)
 
 
 def _parse_var(text: str) -> tuple[str, str]:
@@ -106,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "bare one)")
     p.add_argument("--position-key", default=None,
                    help="stock map: state_dict key of the (max_length, d_model) table, for positional='learned'")
+    p.add_argument("--reference", default=None, metavar="MODULE.py:FACTORY",
+                   help="check the bundle against your eager model before keeping it (as `check` does); a "
+                   "difference over --atol removes it and exits 1")
+    p.add_argument("--atol", type=float, default=1e-5, help="tolerance of --reference (default: 1e-5)")
     p.add_argument("--strict", action="store_true",
                    help="also refuse keys outside the map's checked prefixes (default: ignore them, e.g. a task "
                    "head)")

@@ -98,6 +98,15 @@ class KeyMap:
         params = data.get("params")
         if not isinstance(params, Mapping) or not params:
             raise ConversionError(f"key map {name}: params must be a non-empty object")
+        variables, requires = data.get("vars", {}), data.get("requires", {})
+        if not isinstance(variables, Mapping) or not all(v is None or isinstance(v, str) for v in variables.values()):
+            raise ConversionError(f"key map {name}: vars must map names to strings (or null: unset)")
+        if not isinstance(requires, Mapping):
+            raise ConversionError(f"key map {name}: requires must map EncoderConfig fields to values")
+        for key in ("checked", "ignore"):
+            value = data.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConversionError(f"key map {name}: {key} must be a list of strings")
         config_fields = set(EncoderConfig.__dataclass_fields__)
         bad_requires = sorted(set(data.get("requires", {})) - config_fields)
         if bad_requires:

@@ -206,3 +206,21 @@ def test_cli_convert_with_a_key_map_then_check(tmp_path: Path, capsys: pytest.Ca
     assert not report["ok"] and report["worst_abs_diff"] > 1e-2
     assert main(["check", str(tmp_path / "bundle"), "--reference", "tests.article_models:nothing"]) == 1
     assert "tests.article_models has no callable 'nothing'" in capsys.readouterr().err
+
+
+def test_cli_convert_checks_against_the_reference_before_keeping_the_bundle(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save(article_models.mha(seed=0).state_dict(), tmp_path / "model.pt")
+    (tmp_path / "config.json").write_text(json.dumps(article_models.config_fields("mha")))
+    argv = ["convert", "--state-dict", str(tmp_path / "model.pt"), "--config", str(tmp_path / "config.json"),
+            "--out", str(tmp_path / "good"), "--name", "mine", "--version", "1", "--key-map", "article_mha",
+            "--reference", f"{HERE / 'article_models.py'}:mha"]
+    assert main(argv) == 0 and (tmp_path / "good" / MANIFEST_FILE).is_file()
+    capsys.readouterr()
+    # The same weights checked against another model (seed 1 of the layout): refused, nothing kept.
+    (tmp_path / "other.py").write_text("from tests import article_models\n\n\ndef build():\n"
+                                       "    return article_models.mha(seed=1)\n")
+    argv[6], argv[-1] = str(tmp_path / "bad"), f"{tmp_path / 'other.py'}:build"
+    assert main(argv) == 1
+    assert "the converted bundle differs from the reference" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "bad").iterdir()) == []

@@ -177,6 +177,8 @@ def test_vars_unset_unknown_and_overridden() -> None:
         ({"params": {"tok_emb.weight": {"op": "copy", "src": "x", "times": "2"}}}, "times must be a finite number"),
         ({"requires": {"n_layer": 2}}, r"requires names unknown EncoderConfig fields \['n_layer'\]"),
         ({"map": {}}, r"unknown fields \['map'\]"),
+        ({"vars": ["p"]}, "vars must map names to strings"),
+        ({"checked": "layers."}, "checked must be a list of strings"),
     ],
 )
 def test_malformed_key_maps_are_refused_at_load(change: dict, match: str) -> None:
