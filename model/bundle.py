@@ -32,6 +32,7 @@ from model.encoder import sinusoidal_table
 FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
+DIAGNOSTICS_METHOD = "diagnostics"  # Encoder.diagnostics, kept through freezing (load_bundle)
 FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.fault_ops registers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest relative error of reduced-precision hidden states vs fp32 that export accepts (max |diff| /
@@ -372,6 +373,14 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
     except RuntimeError as e:
         raise BundleError(f"{model_path} could not be loaded as TorchScript: {e}") from e
     _check_module(module, manifest, model_path)  # fp32, before the cast and freeze
+    # Freezing keeps only `forward` unless told: keep the diagnostics entry point where the bundle has one
+    # (bundles exported before it, and wrappers that export only forward, do not).
+    preserved = [name for name in (DIAGNOSTICS_METHOD,) if module._c._has_method(name)]
     with _quiet_jit():
-        module = torch.jit.freeze(module.to(dtype).eval())
+        module = torch.jit.freeze(module.to(dtype).eval(), preserved_attrs=preserved)
     return LoadedBundle(module=module, manifest=manifest)
+
+
+def has_diagnostics(module: Any) -> bool:
+    """Whether a loaded bundle's module has Encoder.diagnostics (attention health sampling)."""
+    return bool(module._c._has_method(DIAGNOSTICS_METHOD))

@@ -79,6 +79,7 @@ class MultiHeadAttention(nn.Module):
     def forward(
         self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False,
         packed: Optional[Tuple[Tensor, Tensor]] = None, bias: Optional[Tensor] = None,
+        diagnose: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """x (B, T, C); mask bool (B, 1, 1|T, T), True where a query may attend to a key.
 
@@ -94,6 +95,7 @@ class MultiHeadAttention(nn.Module):
         triangle), which CUDA's flash kernel requires and CPU SDPA runs faster; the explicit path ignores it.
         Returns (y (B, T, C), weights (B, nh, T, T) fp32 or None). A query row with no allowed key
         gives y = 0 and all-zero weights on both paths (SDPA's own rule for fully masked rows).
+        diagnose: take the explicit path and return, in place of the weights, `attention_stats` (B, 2).
         """
         B, T, C = mask.size(0), mask.size(3), self.n_heads * self.d_head
         qkv = self.qkv(x)
@@ -106,11 +108,11 @@ class MultiHeadAttention(nn.Module):
         weights: Optional[Tensor] = None
         if self.has_rel_bias:
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
-        if not need_weights and unpadded and bias is None:
+        if not need_weights and not diagnose and unpadded and bias is None:
             # No mask: flash is eligible on CUDA. SDPA's is_causal is the top-left triangle (key j <= query
             # i), the same as our causal mask for T queries over T keys; a (B, 1, 1, 1) mask is either.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=mask.size(2) > 1, scale=self.scale)
-        elif not need_weights:
+        elif not need_weights and not diagnose:
             # Fused kernels (memory-efficient on CUDA, flash on CPU), fp32 accumulation inside.
             attn_mask = mask
             if bias is not None:
@@ -132,15 +134,36 @@ class MultiHeadAttention(nn.Module):
             att = (q.float() @ k.float().transpose(-2, -1)) * self.scale  # (B, nh, T, T)
             if bias is not None:
                 att = att + bias.float()  # (B, nh, T, T) + (nh, T, T)
+            scores = att
             att = att.masked_fill(~mask, self.score_min)
             # Zero masked keys after the softmax too: exact zeros, and a fully masked row gives 0 not 1/T.
             att = F.softmax(att, dim=-1).masked_fill(~mask, 0.0)
             y = (att @ v.float()).to(x.dtype)  # (B, nh, T, hs)
-            weights = att
+            weights = attention_stats(scores, att, mask) if diagnose else att
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C): heads side by side again
         if packed is not None:
             y = y.view(B * T, C).index_select(0, packed[0])  # (N, C): the real tokens' rows
         return self.proj(y), weights
+
+
+def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
+    """(B, 2) fp32 per sequence: the largest |score| and the mean normalised entropy of one layer.
+
+    scores (B, nh, T, T): scaled (and biased) logits before the mask; weights (B, nh, T, T) their softmax,
+    masked keys exactly 0; mask as MultiHeadAttention's. Only real queries and their allowed keys count.
+    A row's entropy is divided by log(its allowed keys): 1 = uniform over them, 0 = one-hot. Rows with
+    fewer than 2 allowed keys (a length-1 sequence, a causal first query) have no spread to measure and
+    are left out; a sequence with no row left gets NaN entropy.
+    """
+    keys = mask[:, 0, -1, :]  # (B, T): the key mask (the causal triangle's last row is all keys)
+    allowed = mask & keys[:, None, :, None]  # (B, 1, T, T): real queries over their allowed keys
+    top = scores.abs().masked_fill(~allowed, 0.0).amax(dim=(1, 2, 3))  # (B,)
+    n = allowed.sum(dim=-1).float()  # (B, 1, T): allowed keys per query
+    rows = n >= 2  # (B, 1, T)
+    ent = -torch.xlogy(weights, weights).sum(dim=-1) / torch.log(n.clamp(min=2.0))  # (B, nh, T)
+    ent = ent.masked_fill(~rows, 0.0).sum(dim=(1, 2)) / (rows.sum(dim=(1, 2)).float() * weights.size(1))  # (B,)
+    ent = ent.clamp(0.0, 1.0)  # rounding puts a uniform row a hair above 1; NaN stays NaN
+    return torch.stack((top, ent), dim=1)  # (B, 2)
 
 
 class FeedForward(nn.Module):
@@ -177,13 +200,14 @@ class EncoderBlock(nn.Module):
     def forward(
         self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False,
         packed: Optional[Tuple[Tensor, Tensor]] = None, bias: Optional[Tensor] = None,
+        diagnose: bool = False,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         if self.norm_first:
-            a, w = self.attn(self.ln1(x), mask, need_weights, unpadded, packed, bias)
+            a, w = self.attn(self.ln1(x), mask, need_weights, unpadded, packed, bias, diagnose)
             x = x + a
             x = x + self.ff(self.ln2(x))
         else:
-            a, w = self.attn(x, mask, need_weights, unpadded, packed, bias)
+            a, w = self.attn(x, mask, need_weights, unpadded, packed, bias, diagnose)
             x = self.ln1(x + a)
             x = self.ln2(x + self.ff(x))
         return x, w
@@ -311,6 +335,28 @@ class Encoder(nn.Module):
         layers take the explicit path. Returns hidden (B, T, d_model) in the module's dtype and, if
         attn_layers is not empty, weights (B, len(attn_layers), nh, T, T) fp32, padded keys exactly 0.
         """
+        x, weights = self._encode(token_ids, embeddings, lengths, causal, attn_layers, False)
+        if len(weights) == 0:
+            return x, None
+        return x, torch.stack(weights, dim=1)  # (B, len(attn_layers), nh, T, T)
+
+    @torch.jit.export
+    def diagnostics(
+        self, token_ids: Optional[Tensor], embeddings: Optional[Tensor], lengths: Tensor, causal: bool,
+    ) -> Tensor:
+        """Attention health of a padded batch (inputs as `forward`): (B, n_layers, 2) fp32, per sequence and
+        layer the largest |pre-softmax score| (scaled, bias added) and the mean normalised entropy over
+        heads and real queries (`attention_stats`). Every layer takes the explicit path; the service samples
+        batches through this, separately from `forward`, whose signature stays the one it depends on."""
+        _, stats = self._encode(token_ids, embeddings, lengths, causal, list(range(self.n_layers)), True)
+        return torch.stack(stats, dim=1)  # (B, n_layers, 2)
+
+    def _encode(
+        self, token_ids: Optional[Tensor], embeddings: Optional[Tensor], lengths: Tensor, causal: bool,
+        attn_layers: List[int], diagnose: bool,
+    ) -> Tuple[Tensor, List[Tensor]]:
+        """`forward`'s work: hidden (B, T, C) and, per layer of attn_layers, its weights (or, diagnosing, its
+        `attention_stats`)."""
         if token_ids is not None and embeddings is None:
             x = self.tok_emb(token_ids)  # (B, T, C)
         elif embeddings is not None and token_ids is None:
@@ -355,12 +401,10 @@ class Encoder(nn.Module):
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
         weights: List[Tensor] = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias)
+            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias, diagnose)
             if w is not None:
                 weights.append(w)
         x = self.ln_f(x)
         if packed is not None:  # back to (B, T, C), padded rows zeros (mask[:, 0, -1] is the key mask)
             x = x.index_select(0, packed[1]).view(B, T, self.d_model).masked_fill(~mask[:, 0, -1, :, None], 0.0)
-        if len(weights) == 0:
-            return x, None
-        return x, torch.stack(weights, dim=1)  # (B, len(attn_layers), nh, T, T)
+        return x, weights

@@ -62,6 +62,16 @@ class ServiceConfig:
     max_queue_requests: int = _opt(4096, "queued sequences beyond which calls get RESOURCE_EXHAUSTED at once")
     pipeline: str = _opt("auto", "auto | on | off: prepare the next batch while the device runs this one "
                                  "(auto = on for cuda, off for cpu)")
+    # Attention health (README "Attention health")
+    diagnostics_sample: float = _opt(
+        0.01, "fraction of batches whose attention health (per layer: max |pre-softmax score|, normalised "
+              "entropy) is recomputed on the explicit path after their results are delivered (0 = off, no cost)")
+    diagnostics_overflow_fraction: float = _opt(
+        0.5, "a sampled score beyond this fraction of the serving dtype's largest finite value counts in "
+             "attention_score_overflow_risk_total (fp16: 0.5 x 65504)")
+    entropy_baseline: str = _opt(
+        "", "this deployment's normal normalised attention entropy: one value for every layer, or one per layer "
+            "comma-separated (exported as attention_entropy_baseline; the collapse alerts compare with it)")
     # Per-call limits
     max_sequences_per_call: int = _opt(64, "most sequences in one Encode call")
     max_tokens_per_call: int = _opt(32768, "most tokens (all sequences together) in one Encode call")
@@ -148,11 +158,28 @@ class ServiceConfig:
             # Never echo a token: it is a secret, and this message goes to the log.
             if not token.isascii() or not token.isprintable() or " " in token:
                 raise ValueError(f"auth_tokens: token {i} must be printable ASCII without spaces")
+        _check("diagnostics_sample", self.diagnostics_sample, 0, 1)
+        _check("diagnostics_overflow_fraction", self.diagnostics_overflow_fraction, 1e-6, 1)
+        self.entropy_baselines  # noqa: B018 - parses and checks entropy_baseline
         _check("max_batch_tokens", self.max_batch_tokens, 0, None)
         if self.max_batch_tokens and self.max_batch_size > self.max_batch_tokens:
             raise ValueError(
                 f"max_batch_size ({self.max_batch_size}) cannot exceed max_batch_tokens ({self.max_batch_tokens})"
             )
+
+    @property
+    def entropy_baselines(self) -> tuple[float, ...]:
+        """entropy_baseline parsed: () unset, one value for all layers, or one per layer."""
+        if not self.entropy_baseline.strip():
+            return ()
+        try:
+            values = tuple(float(v) for v in self.entropy_baseline.split(","))
+        except ValueError:
+            raise ValueError(f"entropy_baseline must be numbers in 0..1, comma-separated; got "
+                             f"{self.entropy_baseline!r}") from None
+        for v in values:
+            _check("entropy_baseline", v, 0, 1)
+        return values
 
     @property
     def tls(self) -> bool:

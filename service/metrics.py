@@ -6,6 +6,7 @@ pinned by tests/test_metrics.py: a rename is a conscious change (dashboards and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -16,6 +17,10 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+# |pre-softmax score|: x2 steps to the fp16 range, then fine steps below its largest finite value (65504).
+SCORE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 32768, 49152, 65504)
+# Normalised entropy, 0 (one-hot) .. 1 (uniform): 0.05 steps, finer near 1 where a collapse to uniform lands.
+ENTROPY_BUCKETS = (*(round(0.05 * i, 2) for i in range(1, 20)), 0.99, 1.0)
 # Label values that alert rules watch, created at 0 on start-up: a series born at its first increase
 # has no earlier sample, so rate()/increase() never see that jump and a one-off burst never fires.
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -80,6 +85,25 @@ class Metrics:
             "attention_batch_splits_total", "Batches split and retried, by reason (oom | error)", ["reason"],
             registry=r)
 
+        # Attention health (sampled, service/runner.py `Runner.after_batch`), per layer; labels made in on_model.
+        self.score_max = Histogram(
+            "attention_score_max_abs", "Largest |pre-softmax attention score| (scaled, bias added) per sampled "
+            "sequence, over real queries and keys", ["layer"], buckets=SCORE_BUCKETS, registry=r)
+        self.entropy = Histogram(
+            "attention_entropy_normalized", "Attention entropy per sampled sequence over its real keys, divided by "
+            "log(keys): 1 uniform, 0 one-hot (mean over heads and queries)", ["layer"], buckets=ENTROPY_BUCKETS,
+            registry=r)
+        self.overflow_risk = Counter(
+            "attention_score_overflow_risk_total", "Sampled sequences whose largest |score| passed "
+            "diagnostics_overflow_fraction of the serving dtype's largest finite value (or was not finite)",
+            ["layer"], registry=r)
+        self.entropy_baseline = Gauge(
+            "attention_entropy_baseline", "The operator's normal entropy for this deployment (entropy_baseline)",
+            ["layer"], registry=r)
+        self.diagnostics_enabled = Gauge(
+            "attention_diagnostics_enabled", "1 when attention health is sampled (diagnostics_sample > 0 and the "
+            "bundle has the diagnostics entry point)", registry=r)
+
         # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/grpc_metrics.py).
         grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.grpc_started = Counter(
@@ -128,6 +152,35 @@ class Metrics:
 
     def on_split(self, reason: str) -> None:
         self.batch_splits.labels(reason).inc()
+
+    # -- attention health --------------------------------------------------------------------------
+
+    def on_model(self, n_layers: int, diagnostics: bool, baselines: Sequence[float]) -> None:
+        """Once the model is loaded: every layer's series at 0 (alerts watch them), and the baselines."""
+        self.diagnostics_enabled.set(1 if diagnostics else 0)
+        for layer in range(n_layers):
+            label = str(layer)
+            self.overflow_risk.labels(label)
+            if diagnostics:
+                self.score_max.labels(label)
+                self.entropy.labels(label)
+            if baselines:
+                self.entropy_baseline.labels(label).set(baselines[layer if len(baselines) > 1 else 0])
+
+    def on_diagnostics(self, max_scores: Sequence[Sequence[float]], entropies: Sequence[Sequence[float]],
+                       limit: float) -> None:
+        """One sampled batch: per sequence, per layer. A non-finite max score counts as an overflow risk
+        and is left out of the histogram (one Inf would poison its sum for good); a NaN entropy (a
+        sequence with no row of 2 or more keys) is left out."""
+        for scores, ents in zip(max_scores, entropies, strict=True):
+            for layer, (score, ent) in enumerate(zip(scores, ents, strict=True)):
+                label = str(layer)
+                if not score <= limit:  # also NaN
+                    self.overflow_risk.labels(label).inc()
+                if math.isfinite(score):
+                    self.score_max.labels(label).observe(score)
+                if math.isfinite(ent):
+                    self.entropy.labels(label).observe(ent)
 
 
 def metric_families() -> dict[str, tuple[str, frozenset[str]]]:

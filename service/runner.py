@@ -26,6 +26,7 @@ Failure handling, per batch:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from model.bundle import load_bundle
+from model.bundle import has_diagnostics, load_bundle
 from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
@@ -48,6 +49,8 @@ class RunnerObserver(Protocol):
     def on_nonfinite(self, precision: str, count: int) -> None: ...
     def on_fp32_retry(self, count: int) -> None: ...
     def on_split(self, reason: str) -> None: ...
+    def on_diagnostics(self, max_scores: Sequence[Sequence[float]], entropies: Sequence[Sequence[float]],
+                       limit: float) -> None: ...
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -72,6 +75,9 @@ class Runner:
         self.spec: ModelSpec | None = None
         self._cuda = self.device.type == "cuda"
         self._finished_at = 0.0  # perf_counter when the last batch finished (see _busy_since)
+        self.diagnostics = False  # set by load(): sampling on and the bundle has the entry point
+        self._sample_credit = 0.0  # + diagnostics_sample per batch; a batch is sampled when it reaches 1
+        self._sample_lock = threading.Lock()  # after_batch runs on every model worker
 
     def load(self) -> ModelSpec:
         if self.device.type == "cpu":
@@ -87,6 +93,12 @@ class Runner:
             max_length=cfg.max_length, positional=cfg.positional,
             precision=self.precision, device=str(self.device),
         )
+        if self._config.diagnostics_sample > 0:
+            self.diagnostics = has_diagnostics(self._module)
+            if not self.diagnostics:
+                log.warning("attention health unavailable: bundle %s has no `diagnostics` entry point (exported "
+                            "before it, or a wrapper exporting only forward); re-export it to enable it",
+                            self._bundle_dir)
         return self.spec
 
     def warmup(self, max_batch_tokens: int, max_batch_size: int) -> None:
@@ -151,6 +163,32 @@ class Runner:
                 error = exc
         assert error is not None
         return self._run_split(launched.jobs, error), self._busy_since(launched.started)
+
+    def after_batch(self, jobs: list[Job]) -> None:
+        """On a model thread, after a batch's results were handed to its callers: every
+        1/diagnostics_sample-th batch (a deterministic credit, not a coin, so 1 samples every batch)
+        is re-run through the bundle's `diagnostics` (all layers explicit, the serving dtype) and the
+        per-layer attention health goes to the observer. Never raises: a failure is logged, the
+        callers already have their answers."""
+        with self._sample_lock:
+            self._sample_credit += self._config.diagnostics_sample
+            if self._sample_credit < 1.0:
+                return
+            self._sample_credit -= 1.0
+        try:
+            stats = self._diagnose(jobs)
+        except Exception:  # noqa: BLE001 - diagnostics must never hurt serving
+            log.warning("attention health sampling failed on a batch of %d", len(jobs), exc_info=True)
+            return
+        limit = self._config.diagnostics_overflow_fraction * float(torch.finfo(DTYPES[self.precision]).max)
+        self._observer.on_diagnostics(stats[:, :, 0].tolist(), stats[:, :, 1].tolist(), limit)
+
+    def _diagnose(self, jobs: list[Job]) -> np.ndarray:
+        """(B, n_layers, 2): max |score|, normalised entropy per sequence and layer (Encoder.diagnostics)."""
+        ids, emb, lengths = self._collate(self._module, jobs)
+        with torch.inference_mode():
+            stats = self._module.diagnostics(ids, emb, lengths, jobs[0].causal)
+        return np.asarray(stats.float().cpu().numpy())
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -219,20 +257,14 @@ class Runner:
         """Collate, run and wait for the batch's results on the host (`_Result`)."""
         return self._collect(self._enqueue(module, jobs))
 
-    def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Enqueued:
-        """Collate, copy in, run, check finiteness and copy out, all queued on the current CUDA stream
-        without waiting for it (on CPU, done by the time it returns).
-
-        Nothing here may synchronize with the device, or a pipelined launch would wait for the batch
-        before it: inputs go through pinned buffers (a copy from pageable memory blocks), and the
-        attention layers are reordered with slices (indexing with a list copies the index in, blocking).
-        """
+    def _collate(self, module: Any, jobs: Sequence[Job]) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                                   torch.Tensor]:
+        """(ids (B, T) or None, embeddings (B, T, D) or None, both on the device, lengths (B,) on the host)."""
         spec = self._require_spec()
         first = jobs[0]
         B, T = len(jobs), max(job.length for job in jobs)
         lengths_host = self._host_zeros((B,), torch.int64)
         lengths_host.numpy()[:] = [job.length for job in jobs]
-        lengths = lengths_host.to(self.device, non_blocking=True)
         ids = emb = None
         if first.token_ids is not None:
             ids_host = self._host_zeros((B, T), torch.int64)
@@ -248,6 +280,19 @@ class Runner:
                 rows_f[row, : job.length] = job.embeddings
             dtype = DTYPES[self.precision] if module is self._module else torch.float32
             emb = emb_host.to(self.device, dtype=dtype, non_blocking=True)  # non-blocking: cast on the device
+        return ids, emb, lengths_host
+
+    def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Enqueued:
+        """Collate, copy in, run, check finiteness and copy out, all queued on the current CUDA stream
+        without waiting for it (on CPU, done by the time it returns).
+
+        Nothing here may synchronize with the device, or a pipelined launch would wait for the batch
+        before it: inputs go through pinned buffers (a copy from pageable memory blocks), and the
+        attention layers are reordered with slices (indexing with a list copies the index in, blocking).
+        """
+        first = jobs[0]
+        ids, emb, lengths_host = self._collate(module, jobs)
+        lengths = lengths_host.to(self.device, non_blocking=True)
         layers = sorted(set(first.attn_layers))
         precision = self.precision if module is self._module else "fp32"
         events = (_timing_event(), _timing_event()) if self._cuda else None

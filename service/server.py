@@ -190,8 +190,15 @@ class Server:
         limits = batch_limits(config, spec)
         if config.warmup:
             await self.threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
+        if len(config.entropy_baselines) not in (0, 1, spec.n_layers):
+            raise ValueError(f"entropy_baseline has {len(config.entropy_baselines)} values; the model has "
+                             f"{spec.n_layers} layers (give one value, or one per layer)")
+        self.metrics.on_model(spec.n_layers, runner.diagnostics, config.entropy_baselines)
+        if runner.diagnostics:
+            log.info("attention health: sampling %g of batches", config.diagnostics_sample)
         batcher: Batcher[Job] = Batcher(self.hooks.runner(runner), limits, self.threads, observer=self.metrics,
-                                        make_queue=self.hooks.queue())
+                                        make_queue=self.hooks.queue(),
+                                        after_batch=runner.after_batch if runner.diagnostics else None)
         batcher.start()
         self.serving.batcher, self.serving.spec = batcher, spec
         self.metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)

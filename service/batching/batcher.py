@@ -31,6 +31,9 @@ The contract (held by tests/test_batcher.py):
 - `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch(es) finish;
   with `join_timeout`, batches still running after that long are failed with `ShuttingDown` too,
   so a caller waiting on a stuck model still gets an answer.
+- `after_batch(payloads)`, when given, runs on the model thread after each batch's results are handed
+  to the event loop (the service samples attention health there, service/runner.py): off the callers'
+  latency, before that thread's next batch. An exception from it is logged and the loop lives on.
 - The runner's `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError`
   per item, and the forward's time. An exception from it fails only that batch's items (as
   `ModelFailure`), and the loop lives on.
@@ -74,8 +77,10 @@ class Batcher(Generic[P]):
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         make_queue: Callable[[BatchLimits], BatchQueue[P]] = BatchQueue,
+        after_batch: Callable[[list[P]], None] | None = None,
     ) -> None:
         self._runner = runner
+        self._after_batch = after_batch
         self._threads = threads
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
@@ -305,6 +310,12 @@ class Batcher(Generic[P]):
                     self._wide = None
                     self._wake()  # the followers may start on what queued meanwhile
         self._settle_all(outcomes)
+        if self._after_batch is not None:
+            # The callers have their answers (handed to the loop above); this thread's next batch waits.
+            try:
+                self._after_batch(_payloads(batch))
+            except Exception:  # noqa: BLE001 - side work must not end the loop
+                log.exception("after_batch failed on a batch of %d", len(batch))
 
     def _outcomes(self, batch: list[Item[P]], started: float,
                   run: Callable[[], tuple[Sequence[Any], float]]) -> list[tuple[asyncio.Future[Done], Any]]:
