@@ -74,6 +74,9 @@ EXPECTED_ALERTS = {
     "AttentionNonFiniteOutputs",
     "AttentionHighP99Latency",
     "AttentionQueueNearlyFull",
+    "AttentionScoreOverflowRisk",
+    "AttentionEntropyCollapsedToUniform",
+    "AttentionEntropyCollapsedToOneHot",
 }
 DASHBOARD_MUST_SHOW = {
     "attention_requests_total",
@@ -729,8 +732,9 @@ def test_counters_that_alerts_watch_exist_at_zero_from_startup() -> None:
     a one-off burst never fires (issue 16 item 11; the promtool test shows both cases). Every labelled
     counter an alert reads exists at 0 in a fresh process: each value the rule matches on, and every
     precision the service can run at."""
-    samples = [(s.name, s.labels, s.value) for family in Metrics(CollectorRegistry()).registry.collect()
-               for s in family.samples]
+    metrics = Metrics(CollectorRegistry())
+    metrics.on_model(2, diagnostics=True, baselines=())  # what start-up does once the model is loaded
+    samples = [(s.name, s.labels, s.value) for family in metrics.registry.collect() for s in family.samples]
     rules = [rule for group in _load_yaml(PROM_DIR / "alerts.yml")["groups"] for rule in group["rules"]]
     watched = 0
     for rule in rules:
