@@ -20,6 +20,7 @@ import numpy.typing as npt
 from client._args import add_connection_arguments, tls_of, token_of
 from client.channel import DEFAULT_TIMEOUT_S, SERVICE
 from client.client import SyncEncoderClient
+from client.entropy import entropy_per_head
 from client.errors import ClientError
 from client.messages import DTYPES, EncodeResult, ModelInfo
 
@@ -180,9 +181,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise UsageError(f"--head must be a head index or 'mean'; got {args.head!r}")
     with _client(args) as client:
         info = client.model_info()
-        result = client.encode([ids], return_hidden=False, layers=[args.layer], heads="mean" if head_mean else "all",
-                               causal=args.causal)
-    attention = result.attention[0]  # [1, H or 1, T, T]
+        if args.entropy:  # every layer, every head: the entropy panel needs them all
+            result = client.encode([ids], return_hidden=False, layers=list(range(info.n_layers)), heads="all",
+                                   causal=args.causal)
+            every = result.attention[0]  # [L, H, T, T]
+            attention = every[[args.layer % info.n_layers]]
+            if head_mean:
+                attention = attention.mean(axis=1, keepdims=True)
+        else:
+            result = client.encode([ids], return_hidden=False, layers=[args.layer],
+                                   heads="mean" if head_mean else "all", causal=args.causal)
+            attention = result.attention[0]  # [1, H or 1, T, T]
     if head_mean:
         weights, head_label = attention[0, 0], "mean of heads"
     else:
@@ -192,14 +201,20 @@ def cmd_plot(args: argparse.Namespace) -> int:
         weights, head_label = attention[0, head], f"head {head % info.n_heads}"
     layer = args.layer % info.n_layers
     title = f"{info.name} v{info.version}: layer {layer}, {head_label}" + (" (causal)" if args.causal else "")
-    save_heatmap(weights, ids if ids.ndim == 1 else None, title, Path(args.out), dpi=args.dpi)
+    entropy = None
+    if args.entropy:
+        entropy = entropy_per_head(every, causal=args.causal)
+        for layer_i, row in enumerate(entropy):
+            print(f"entropy layer {layer_i}: " + " ".join(f"{v:.3f}" for v in row))
+    save_heatmap(weights, ids if ids.ndim == 1 else None, title, Path(args.out), dpi=args.dpi, entropy=entropy)
     print(f"wrote {args.out}: {title}, {weights.shape[0]} tokens")
     return 0
 
 
 def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | None, title: str, out: Path, *,
-                 dpi: int = 120) -> None:
-    """Query rows x key columns; tick labels are `position:id` for short token-id inputs."""
+                 dpi: int = 120, entropy: npt.NDArray[np.float64] | None = None) -> None:
+    """Query rows x key columns; tick labels are `position:id` for short token-id inputs. With `entropy`
+    ([L, H], client/entropy.py), a second panel beside it shows it per layer and head."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,7 +222,23 @@ def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | None,
 
     T = weights.shape[0]
     size = min(4.0 + 0.18 * T, 14.0)
-    fig, ax = plt.subplots(figsize=(size + 1.2, size), dpi=dpi)
+    if entropy is None:
+        fig, ax = plt.subplots(figsize=(size + 1.2, size), dpi=dpi)
+    else:
+        fig, (ax, side) = plt.subplots(1, 2, figsize=(2 * size + 2.4, size), dpi=dpi,
+                                       gridspec_kw={"width_ratios": [1, 0.6]})
+        grid = side.imshow(entropy, cmap="magma", vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
+        L, H = entropy.shape
+        side.set_xticks(range(H), [str(h) for h in range(H)])
+        side.set_yticks(range(L), [str(layer) for layer in range(L)])
+        side.set_xlabel("head")
+        side.set_ylabel("layer")
+        side.set_title("normalised entropy (1 uniform, 0 one-hot)")
+        for layer_i in range(L):
+            for h in range(H):
+                side.text(h, layer_i, f"{entropy[layer_i, h]:.2f}", ha="center", va="center", fontsize=7,
+                          color="white" if entropy[layer_i, h] < 0.6 else "black")
+        fig.colorbar(grid, ax=side, fraction=0.046, pad=0.04, label="entropy")
     try:
         image = ax.imshow(weights, cmap="viridis", vmin=0.0, interpolation="nearest", aspect="equal")
         if ids is not None and T <= 48:
@@ -302,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer", type=int, default=-1, help="layer (negative from the end) [default -1]")
     p.add_argument("--head", default="mean", help="head index, or 'mean' [default mean]")
     p.add_argument("--dpi", type=int, default=120)
+    p.add_argument("--entropy", action="store_true",
+                   help="also draw the normalised attention entropy per layer and head beside the heatmap")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.set_defaults(run=cmd_plot)
 

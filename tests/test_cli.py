@@ -199,3 +199,39 @@ def test_bench_refuses_unbounded_or_oversized_runs(service: ServerProcess, capsy
     assert run_cli(capsys, "--target", service.target, "bench", "--duration", "601")[0] == 2
     assert run_cli(capsys, "--target", service.target, "bench", "--requests", "0")[0] == 2
     assert run_cli(capsys, "--target", service.target, "bench", "--requests", "5", "--lengths", "9:3")[0] == 2
+
+
+def test_plot_entropy_per_layer_and_head_matches_the_models_own_diagnostics(service: ServerProcess, tiny_bundle,
+                                                                            capsys, tmp_path: Path):
+    import matplotlib.image
+    import torch
+
+    from model.bundle import load_bundle
+
+    ids = [5, 17, 42, 8, 99, 3, 61]
+    out = tmp_path / "entropy.png"
+    code, stdout, _ = run_cli(capsys, "--target", service.target, "plot", "--ids", *map(str, ids), "--entropy",
+                              "--out", str(out))
+    assert code == 0 and out.read_bytes()[:8] == PNG_SIGNATURE
+    rows = [line.split(":")[1].split() for line in stdout.splitlines() if line.startswith("entropy layer")]
+    per_head = np.array(rows, dtype=np.float64)  # [L, H], from the returned weights, in the client
+    assert per_head.shape == (2, 4) and ((per_head > 0) & (per_head < 1)).all()
+    # The model's own explicit-path measure averages the same rows over heads.
+    with torch.inference_mode():
+        stats = load_bundle(tiny_bundle).module.diagnostics(torch.tensor([ids]), None, torch.tensor([len(ids)]), False)
+    np.testing.assert_allclose(per_head.mean(axis=1), stats[0, :, 1].numpy(), atol=2e-3)  # printed to 3 digits
+    image = matplotlib.image.imread(out)
+    assert image.shape[1] > image.shape[0]  # the entropy panel beside the heatmap
+
+
+def test_entropy_per_head_extremes():
+    from client.entropy import entropy_per_head
+
+    T = 5
+    uniform = np.full((1, 2, T, T), 1.0 / T)
+    one_hot = np.broadcast_to(np.eye(T), (1, 2, T, T))
+    np.testing.assert_allclose(entropy_per_head(uniform), 1.0)
+    np.testing.assert_allclose(entropy_per_head(one_hot), 0.0)
+    causal_uniform = np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]
+    np.testing.assert_allclose(entropy_per_head(causal_uniform[None, None], causal=True), 1.0)
+    assert np.isnan(entropy_per_head(np.ones((1, 1, 1, 1)))).all()
