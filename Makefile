@@ -2,14 +2,15 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
 .PHONY: venv run test test-fast proto lint typecheck check bench bench-model gpu-check gpu-wheels system-deps clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

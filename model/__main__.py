@@ -2,6 +2,7 @@
 
   python -m model default --out DIR [--seed N]
   python -m model convert --state-dict FILE.pt --config CONFIG.json --out DIR --name N --version V
+  python -m model convert-hf --model-dir HF_DIR --out DIR [--name N --version V]
   python -m model info DIR
 """
 
@@ -16,6 +17,7 @@ from model.bundle import BundleError, read_manifest, save_bundle
 from model.config import EncoderConfig
 from model.convert import ConversionError, convert_state_dict, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
+from model.hf import HFConversionError, convert_hf
 
 
 def _default(args: argparse.Namespace) -> dict[str, object]:
@@ -35,6 +37,14 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
     )
     manifest = save_bundle(encoder, args.out, name=args.name, version=args.version,
                            source=f"state_dict:{Path(args.state_dict).name}")
+    return manifest.to_dict()
+
+
+def _convert_hf(args: argparse.Namespace) -> dict[str, object]:
+    encoder, tokenizer, settings, source = convert_hf(args.model_dir)
+    name = args.name or Path(args.model_dir).resolve().name
+    manifest = save_bundle(encoder, args.out, name=name, version=args.version, source=source,
+                           text=(tokenizer, settings))
     return manifest.to_dict()
 
 
@@ -77,6 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also refuse keys outside the two prefixes (default: ignore them, e.g. a task head)")
     p.set_defaults(run=_convert)
 
+    p = sub.add_parser("convert-hf", help="export a local Hugging Face BERT folder, tokenizer included (text in)",
+                       description="Convert a Hugging Face BERT checkpoint folder (config.json, model.safetensors "
+                       "or pytorch_model.bin, tokenizer.json, and the sentence-transformers files when present) "
+                       "into a text bundle: the encoder, its tokenizer and its text settings (token limit, "
+                       "pooling, normalisation, prompts). What cannot be reproduced exactly is refused by name. "
+                       "Nothing is downloaded.")
+    p.add_argument("--model-dir", required=True, type=Path, help="local Hugging Face model folder")
+    p.add_argument("--out", required=True, type=Path, help="directory to create the bundle in (must be empty)")
+    p.add_argument("--name", default="", help="model name for the manifest (default: the folder's name)")
+    p.add_argument("--version", default="1", help="model version for the manifest (default: 1)")
+    p.set_defaults(run=_convert_hf)
+
     p = sub.add_parser("info", help="print a bundle's manifest", description="Print DIR/manifest.json, checked.")
     p.add_argument("directory", type=Path, help="bundle directory")
     p.set_defaults(run=_info)
@@ -87,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.run(args)
-    except (BundleError, ConversionError) as e:
+    except (BundleError, ConversionError, HFConversionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))

@@ -110,3 +110,7 @@ async def served(start_server: Callable[..., Any]) -> Running:
 def ids_request(*sequences: np.ndarray, **fields: Any) -> pb.EncodeRequest:
     return pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(np.asarray(s, np.int64))) for s in sequences],
                             **fields)
+
+
+# Hugging Face models (text in): session fixtures, so the real model is converted once per run.
+from tests.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401
