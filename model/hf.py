@@ -6,7 +6,8 @@ loaded with weights_only=True), `tokenizer.json`, and the sentence-transformers 
 `config_sentence_transformers.json`, `tokenizer_config.json`). What our encoder cannot reproduce
 exactly is refused with a message naming the file and key; never a silently different model.
 
-BERT as our encoder (post-LN, exact GELU, learned positions, `embedding_norm`):
+BERT as our encoder (post-LN, exact GELU, learned positions, `embedding_norm`), through the key map
+model/keymaps/hf_bert.json (model/convert.py's mechanism, as every import):
   word_embeddings + token_type_embeddings[0] -> tok_emb   (a single text's token types are all 0)
   position_embeddings                        -> pos_emb
   embeddings.LayerNorm                       -> ln_emb
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from model.config import EncoderConfig
+from model.convert import ConversionError, KeyMap, convert
 from model.encoder import Encoder
 from model.text import TOKENIZER_FILE, TextError, TextSettings, load_tokenizer_json, sha256_bytes, special_ids
 
@@ -52,30 +54,8 @@ _ST_MODULES = {
     "sentence_transformers.models.Normalize",
 }
 
-# The key map, as data: our key -> (how, source keys relative to the base model's prefix). {i} is a layer.
-# how: "copy"; "cat" (concatenate along dim 0: the fused q|k|v); "add_row0" (the first tensor plus row 0
-# of the second: token type 0 folded into the word table).
-BERT_EMBEDDING_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "tok_emb.weight": ("add_row0", ("embeddings.word_embeddings.weight", "embeddings.token_type_embeddings.weight")),
-    "pos_emb": ("copy", ("embeddings.position_embeddings.weight",)),
-    "ln_emb.weight": ("copy", ("embeddings.LayerNorm.weight",)),
-    "ln_emb.bias": ("copy", ("embeddings.LayerNorm.bias",)),
-}
-BERT_LAYER_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "attn.qkv.weight": ("cat", tuple(f"attention.self.{p}.weight" for p in ("query", "key", "value"))),
-    "attn.qkv.bias": ("cat", tuple(f"attention.self.{p}.bias" for p in ("query", "key", "value"))),
-    "attn.proj.weight": ("copy", ("attention.output.dense.weight",)),
-    "attn.proj.bias": ("copy", ("attention.output.dense.bias",)),
-    "ln1.weight": ("copy", ("attention.output.LayerNorm.weight",)),
-    "ln1.bias": ("copy", ("attention.output.LayerNorm.bias",)),
-    "ff.fc1.weight": ("copy", ("intermediate.dense.weight",)),
-    "ff.fc1.bias": ("copy", ("intermediate.dense.bias",)),
-    "ff.fc2.weight": ("copy", ("output.dense.weight",)),
-    "ff.fc2.bias": ("copy", ("output.dense.bias",)),
-    "ln2.weight": ("copy", ("output.LayerNorm.weight",)),
-    "ln2.bias": ("copy", ("output.LayerNorm.bias",)),
-}
-BERT_IGNORED = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
+BERT_KEYMAP = "hf_bert"  # model/keymaps/hf_bert.json: the mapping, as data for model/convert.py
+_ANCHOR = "embeddings.word_embeddings.weight"
 
 
 def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
@@ -147,7 +127,7 @@ def load_hf_weights(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Pat
             raise HFConversionError(f"{path} is not a readable safetensors file: {e}") from None
     path = model_dir / "pytorch_model.bin"
     if path.is_file():
-        from model.convert import ConversionError, load_state_dict_file
+        from model.convert import load_state_dict_file
 
         try:
             return load_state_dict_file(path), path
@@ -157,51 +137,17 @@ def load_hf_weights(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Pat
                             "(sharded checkpoints are not supported)")
 
 
-def bert_key_map(config: EncoderConfig, prefix: str) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Our key -> (how, full source keys) for a BERT checkpoint whose base model sits under `prefix`."""
-    mapping = {ours: (how, tuple(prefix + k for k in src)) for ours, (how, src) in BERT_EMBEDDING_KEYS.items()}
-    for i in range(config.n_layers):
-        for ours, (how, src) in BERT_LAYER_KEYS.items():
-            mapping[f"blocks.{i}.{ours}"] = (how, tuple(f"{prefix}encoder.layer.{i}.{k}" for k in src))
-    return mapping
-
-
 def convert_bert(state_dict: Mapping[str, torch.Tensor], config: EncoderConfig, source: str) -> Encoder:
-    """Build an fp32 Encoder(config) from a BERT state_dict; every problem names `source` and the key."""
-    anchor = BERT_EMBEDDING_KEYS["tok_emb.weight"][1][0]
-    prefixes = [p for p in ("", "bert.") if p + anchor in state_dict]
+    """Build an fp32 Encoder(config) from a BERT state_dict through the hf_bert key map; every problem names
+    `source` and the key. A BertFor* checkpoint's base model is under 'bert.'; its head is left out."""
+    prefixes = [p for p in ("", "bert.") if p + _ANCHOR in state_dict]
     if not prefixes:
-        raise HFConversionError(f"{source}: no key {anchor!r} (nor 'bert.{anchor}'): not a BERT checkpoint")
-    prefix = prefixes[0]
-    mapping = bert_key_map(config, prefix)
-    wanted = {k for _, src in mapping.values() for k in src}
-    ignored = {prefix + k for k in BERT_IGNORED}
-    missing = sorted(k for k in wanted if k not in state_dict)
-    unexpected = sorted(k for k in state_dict if k.startswith(prefix) and k not in wanted and k not in ignored
-                        and (prefix or not k.startswith(("cls.", "classifier.", "qa_outputs."))))
-    if missing or unexpected:
-        raise HFConversionError(f"{source}: keys do not match a {config.n_layers}-layer BERT: "
-                                f"missing {missing[:20]}, unmapped {unexpected[:20]}")
-    encoder = Encoder(config)
-    expected = encoder.state_dict()
-    ours_sd = {}
-    for ours, (how, src) in mapping.items():
-        tensors = [state_dict[k].detach().to(torch.float32).cpu() for k in src]
-        if how == "cat":
-            value = torch.cat(tensors, dim=0)
-        elif how == "add_row0":
-            value = tensors[0] + tensors[1][0]  # (V, C) + (C,)
-        else:
-            value = tensors[0]
-        if ours == "pos_emb" and value.shape[0] != config.max_length:
-            raise HFConversionError(f"{source}: {src[0]} has {value.shape[0]} rows; config.json "
-                                    f"max_position_embeddings is {config.max_length}")
-        if tuple(value.shape) != tuple(expected[ours].shape):
-            raise HFConversionError(f"{source}: {', '.join(src)}: expected shape {tuple(expected[ours].shape)} "
-                                    f"for {ours}, got {tuple(value.shape)}")
-        ours_sd[ours] = value
-    encoder.load_state_dict(ours_sd, strict=True)
-    return encoder.eval()
+        raise HFConversionError(f"{source}: no key {_ANCHOR!r} (nor 'bert.{_ANCHOR}'): not a BERT checkpoint")
+    keymap = KeyMap.builtin(BERT_KEYMAP).with_vars(p=prefixes[0])
+    try:
+        return convert(state_dict, config, keymap)
+    except ConversionError as e:
+        raise HFConversionError(f"{source}: {e}") from None
 
 
 def _pooling(model_dir: Path, modules: list[Any], modules_path: Path) -> tuple[str, bool]:
