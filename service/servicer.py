@@ -40,7 +40,7 @@ from service.errors import (
 )
 from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
-from service.validation import Plan, validate
+from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, validate
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,11 @@ class AttentionServicer:
             raise DeadlineUnmeetable(f"deadline too short: {max(remaining, 0) * 1e3:.1f} ms left; "
                                    f"this service needs at least {floor_ms:g} ms")
         try:
-            plan = validate(request, spec, self._config)
+            if spec.tokenizer is not None and text_chars(request) > TOKENIZE_INLINE_CHARS:
+                # The Rust tokenizer releases the GIL: a big call tokenizes beside the event loop, not on it.
+                plan = await asyncio.to_thread(validate, request, spec, self._config)
+            else:
+                plan = validate(request, spec, self._config)
         except NonFiniteInput:
             self._metrics.nonfinite_inputs.inc()
             raise
@@ -169,7 +173,7 @@ class AttentionServicer:
     def _model_info(self) -> pb.ModelInfo:
         spec = self._state.require_ready()
         c = self._config
-        return pb.ModelInfo(
+        info = pb.ModelInfo(
             name=spec.name, version=spec.version, checksum=spec.checksum, d_model=spec.d_model,
             n_heads=spec.n_heads, n_layers=spec.n_layers, vocab_size=spec.vocab_size, max_length=spec.max_length,
             positional=spec.positional, precision=spec.precision, device=spec.device,
@@ -178,6 +182,15 @@ class AttentionServicer:
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
             ),
         )
+        if spec.tokenizer is not None:
+            t = spec.tokenizer.settings
+            info.text.CopyFrom(pb.TextInfo(
+                accepted=True, max_tokens=t.max_tokens, truncation_side=t.truncation_side,
+                default_pooling=pb.POOLING_MEAN if t.pooling == "mean" else pb.POOLING_CLS,
+                default_normalize=t.normalize, prompts=t.prompts, default_prompt_name=t.default_prompt_name,
+                tokenizer_checksum=t.tokenizer_sha256, max_text_chars=c.max_text_chars,
+            ))
+        return info
 
     # -- error mapping and accounting -------------------------------------------------------------
 
@@ -308,10 +321,15 @@ def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeRes
         fp32_retry=any(d.output.nonfinite for d in done), device=spec.device, model_name=spec.name,
         model_version=spec.version,
     ))
-    for result in done:
+    for i, result in enumerate(done):
         out: Output = result.output
         # Filled in place: building submessages and then the response from them copies every tensor twice.
-        seq = response.outputs.add(nonfinite=out.nonfinite)
+        text = plan.texts[i] if plan.texts else None
+        seq = response.outputs.add(nonfinite=out.nonfinite, token_count=plan.jobs[i].length,
+                                   truncated=text is not None and text.truncated)
+        if text is not None and plan.return_tokens:
+            fill_tensor(seq.token_ids, text.ids, pb.DTYPE_INT64)
+            seq.tokens.extend(text.tokens)
         if out.hidden is not None:
             fill_tensor(seq.hidden, out.hidden, plan.output_dtype)
         if out.pooled is not None:

@@ -3,11 +3,15 @@
 Every check names the field (and index) it refers to; one bad sequence fails its own call with
 INVALID_ARGUMENT and never reaches a batch. Sizes of the response (hidden states and attention
 weights) are computed here, up front, so that nothing is computed only to be refused at send time.
+Text is tokenized here (the batcher only ever sees token ids), with the model's tokenizer: the call's
+characters are counted before tokenizing, its tokens after. The servicer runs `validate` in a worker
+thread when a call carries much text (`TOKENIZE_INLINE_CHARS`), off the event loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,13 +19,20 @@ from client.tensors import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtyp
 from proto.attention.v1 import attention_pb2 as pb
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
-from service.jobs import Job, ModelSpec
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
+
+if TYPE_CHECKING:
+    from model.text import Encoded
 
 OUTPUT_DTYPES = (pb.DTYPE_UNSPECIFIED, *FLOAT_DTYPES)
 MAX_REQUEST_ID = 128
 MAX_EMBEDDING_ABS = 1e6  # far above any trained embedding; far below where float32 LayerNorm overflows
 _POOLINGS = frozenset(pb.Pooling.values())  # .values() builds a list on every call
 _HEAD_REDUCTIONS = frozenset(pb.HeadReduction.values())
+# Calls with more text than this are validated (tokenized) in a worker thread: below it, the hop costs
+# more than the tokenizer (about 1 us per character here).
+TOKENIZE_INLINE_CHARS = 4096
+_MODEL_POOLING = {"mean": POOL_MEAN, "cls": POOL_CLS}
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,8 @@ class Plan:
     jobs: list[Job]
     output_dtype: int  # a float DType
     attention_dtype: int
+    texts: tuple[Encoded | None, ...] = ()  # per sequence: how its text was tokenized (None: not text)
+    return_tokens: bool = False
 
     @property
     def tokens(self) -> int:
@@ -49,6 +62,8 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
     attention_dtype = _float_dtype("attention.dtype", att.dtype)
     if out.pooling not in _POOLINGS:
         raise InvalidInput("output.pooling", f"unknown value {out.pooling}")
+    texts = _tokenize(request, spec, config)
+    pooling, normalize = _pooling(out, spec)
     if att.heads not in _HEAD_REDUCTIONS:
         raise InvalidInput("attention.heads", f"unknown value {att.heads}")
     layers = _attention_layers(att, spec, config)
@@ -58,16 +73,73 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
 
     jobs = []
     for i, sequence in enumerate(request.sequences):
-        token_ids, embeddings = _decode_input(i, sequence, spec)
+        encoded = texts[i] if texts else None
+        token_ids, embeddings = (encoded.ids, None) if encoded is not None else _decode_input(i, sequence, spec)
         jobs.append(Job(
             token_ids=token_ids, embeddings=embeddings, causal=request.causal, attn_layers=layers,
-            heads_mean=att.heads == pb.HEADS_MEAN, pooling=int(out.pooling), return_hidden=return_hidden,
+            heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
+            normalize=normalize,
         ))
-    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype)
+    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype, texts, out.return_tokens)
     if plan.tokens > config.max_tokens_per_call:
         raise InvalidInput("sequences", f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
     _check_sizes(plan, spec, config)
     return plan
+
+
+def text_chars(request: pb.EncodeRequest) -> int:
+    """Characters of text the call carries (to decide where to tokenize it)."""
+    return sum(len(s.text) for s in request.sequences if s.WhichOneof("input") == "text")
+
+
+def _pooling(out: pb.OutputOptions, spec: ModelSpec) -> tuple[int, bool]:
+    """(pooling, normalize) of the call: POOLING_MODEL and an unset normalize take the model's defaults."""
+    settings = spec.tokenizer.settings if spec.tokenizer is not None else None
+    pooling = int(out.pooling)
+    if pooling == pb.POOLING_MODEL:
+        if settings is None:
+            raise InvalidInput("output.pooling", "POOLING_MODEL needs a model served with a tokenizer "
+                               "(ModelInfo.text); use POOLING_MEAN or POOLING_CLS")
+        pooling = _MODEL_POOLING[settings.pooling]
+    if out.HasField("normalize"):
+        if out.normalize and pooling == POOL_NONE:
+            raise InvalidInput("output.normalize", "normalizes the pooled vector: set output.pooling")
+        return pooling, out.normalize
+    return pooling, settings is not None and settings.normalize and pooling != POOL_NONE
+
+
+def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> tuple[Encoded | None, ...]:
+    """The call's texts tokenized, per sequence (None where a sequence is not text); () without text."""
+    kinds = [s.WhichOneof("input") for s in request.sequences]
+    if "text" not in kinds:
+        if request.output.prompt_name:
+            raise InvalidInput("output.prompt_name", "applies to text; the call sends none")
+        return ()
+    tokenizer = spec.tokenizer
+    if tokenizer is None:
+        raise InvalidInput(f"sequences[{kinds.index('text')}].text",
+                           f"model {spec.name} takes no text (it has no tokenizer); send token_ids")
+    chars = text_chars(request)
+    if chars > config.max_text_chars:
+        raise InvalidInput("sequences", f"{chars} characters of text in all; at most {config.max_text_chars} per call")
+    try:
+        prompt = tokenizer.prompt(request.output.prompt_name)
+    except KeyError:
+        raise InvalidInput("output.prompt_name", f"unknown prompt {request.output.prompt_name!r}; the model has "
+                           f"{sorted(tokenizer.settings.prompts)}") from None
+    where = [i for i, kind in enumerate(kinds) if kind == "text"]
+    encoded = tokenizer.encode([request.sequences[i].text for i in where], truncate=request.truncate, prompt=prompt)
+    limit = tokenizer.settings.max_tokens
+    out: list[Encoded | None] = [None] * len(kinds)
+    for i, enc in zip(where, encoded, strict=True):
+        if len(enc.ids) > limit:
+            raise InvalidInput(f"sequences[{i}].text", f"{enc.full_length} tokens (special tokens included), over "
+                               f"the model's limit of {limit}; shorten it, or set truncate to cut it")
+        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
+            raise InvalidInput(f"sequences[{i}].text", f"the tokenizer gave id {int(enc.ids.max())}, outside the "
+                               f"model's vocabulary of {spec.vocab_size}")
+        out[i] = enc
+    return tuple(out)
 
 
 def _float_dtype(field: str, dtype: int) -> int:
