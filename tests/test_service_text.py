@@ -198,3 +198,38 @@ async def test_corrupt_tokenizer_fails_start_up(start_server: Any, tiny_text_bun
 def test_max_text_chars_is_validated() -> None:
     with pytest.raises(ValueError, match="max_text_chars"):
         ServiceConfig(max_text_chars=0)
+
+
+async def test_cli_takes_text(start_server: Any, tiny_text_bundle: Path, capsys: pytest.CaptureFixture[str],
+                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import matplotlib.image
+
+    from client import cli
+
+    served = await start_server(bundle=tiny_text_bundle)
+    target = ["--target", served.target]
+    assert await asyncio.to_thread(cli.main, [*target, "encode", "--text", "the cats", "--text", "",
+                                              "--tokens", "--no-hidden"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence 0: 5 tokens" in out and "tokens    [CLS] the cat ##s [SEP]" in out
+    assert "sequence 1: 2 tokens" in out and "pooled    [32]" in out
+    assert await asyncio.to_thread(cli.main, [*target, "encode", "--text", "a b c a b c a b c", "--truncate",
+                                              "--prompt", "passage", "--tokens", "--no-hidden"]) == 0
+    assert "8 tokens (truncated)" in capsys.readouterr().out
+    assert await asyncio.to_thread(cli.main, [*target, "encode", "--text", "a b c a b c a b c"]) == 1
+    assert "sequences[0].text" in capsys.readouterr().err
+    assert await asyncio.to_thread(cli.main, [*target, "info"]) == 0
+    assert "text.max_tokens" in capsys.readouterr().out
+
+    labels: list[Any] = []
+    real = cli.save_heatmap
+
+    def recording(weights: Any, ids: Any, *args: Any, **kwargs: Any) -> None:
+        labels.append(ids)
+        real(weights, ids, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "save_heatmap", recording)
+    png = tmp_path / "text.png"
+    assert await asyncio.to_thread(cli.main, [*target, "plot", "--text", "the cats", "--out", str(png)]) == 0
+    assert labels == [["[CLS]", "the", "cat", "##s", "[SEP]"]]
+    assert matplotlib.image.imread(png).shape[0] >= 300
