@@ -261,3 +261,19 @@ def test_embedding_norm_is_off_by_default() -> None:
     assert {"ln_emb.weight", "ln_emb.bias"} <= set(Encoder(normed).state_dict())
     with pytest.raises(ValueError, match="embedding_norm must be a bool"):
         EncoderConfig(embedding_norm=1)  # type: ignore[arg-type]
+
+
+def test_pytorch_model_bin_is_read_with_weights_only(tmp_path: Path) -> None:
+    sd = tiny_bert_state_dict(TINY_BERT, seed=5)
+    src = write_tiny_bert(tmp_path / "src", state_dict=sd)
+    (src / "model.safetensors").unlink()
+    torch.save(sd, src / "pytorch_model.bin")
+    encoder, _, _, source = convert_hf(src)
+    assert source.endswith("/pytorch_model.bin")
+    torch.testing.assert_close(encoder.state_dict()["pos_emb"], sd["embeddings.position_embeddings.weight"])
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04junk")
+    with pytest.raises(HFConversionError, match=r"pytorch_model\.bin is not a loadable state_dict file"):
+        convert_hf(src)
+    (src / "pytorch_model.bin").unlink()
+    with pytest.raises(HFConversionError, match=r"neither model\.safetensors nor pytorch_model\.bin"):
+        convert_hf(src)
