@@ -3,6 +3,8 @@
   python -m model default --out DIR [--seed N]
   python -m model convert --state-dict FILE.pt --config CONFIG.json --out DIR --name N --version V
                           [--key-map stock|article_mha|article_einsum|FILE.json|FILE.toml] [--var NAME=VALUE ...]
+                          [--reference module.py:factory [--atol 1e-5]]   # checked before it is kept
+  python -m model check DIR --reference module.py:factory [--atol 1e-5]   # exit 1 over the tolerance
   python -m model convert-hf --model-dir HF_DIR --out DIR [--name N --version V]
   python -m model info DIR
 """
@@ -14,11 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-from model.bundle import BundleError, read_manifest, save_bundle
+from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, save_bundle
 from model.config import EncoderConfig
 from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
-from model.hf import HFConversionError, convert_hf
+from model.hf import convert_hf
 
 
 def _default(args: argparse.Namespace) -> dict[str, object]:
@@ -48,6 +50,19 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
     if keymap.name != "stock":
         source += f",key_map:{keymap.name if args.key_map in builtin_names() else Path(args.key_map).name}"
     manifest = save_bundle(encoder, args.out, name=args.name, version=args.version, source=source)
+    if args.reference:
+        from model.check import check_bundle, load_reference
+
+        try:
+            result = check_bundle(args.out, load_reference(args.reference)(), atol=args.atol)
+            failure = None if result.ok else (f"the converted bundle differs from the reference {args.reference} "
+                                              f"by {result.worst:.3g} (> --atol {args.atol}); no bundle written")
+        except BaseException:
+            _remove_bundle(args.out)
+            raise
+        if failure:
+            _remove_bundle(args.out)
+            raise ConversionError(failure)
     return manifest.to_dict()
 
 
@@ -59,11 +74,24 @@ def _convert_hf(args: argparse.Namespace) -> dict[str, object]:
     return manifest.to_dict()
 
 
+def _remove_bundle(directory: Path) -> None:
+    for name in (MANIFEST_FILE, MODEL_FILE):  # manifest first: a directory with one is a complete bundle
+        (directory / name).unlink(missing_ok=True)
+
+
 def _parse_var(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise ConversionError(f"--var takes NAME=VALUE, got {text!r}")
     return name, value
+
+
+def _check(args: argparse.Namespace) -> dict[str, object]:
+    from model.check import check_bundle, load_reference
+
+    result = check_bundle(args.directory, load_reference(args.reference)(), atol=args.atol, seed=args.seed)
+    args.exit_code = 0 if result.ok else 1
+    return {"bundle": str(args.directory), "reference": args.reference, **result.to_dict()}
 
 
 def _info(args: argparse.Namespace) -> dict[str, object]:
@@ -107,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "bare one)")
     p.add_argument("--position-key", default=None,
                    help="stock map: state_dict key of the (max_length, d_model) table, for positional='learned'")
+    p.add_argument("--reference", default=None, metavar="MODULE.py:FACTORY",
+                   help="check the bundle against your eager model before keeping it (as `check` does); a "
+                   "difference over --atol removes it and exits 1")
+    p.add_argument("--atol", type=float, default=1e-5, help="tolerance of --reference (default: 1e-5)")
     p.add_argument("--strict", action="store_true",
                    help="also refuse keys outside the map's checked prefixes (default: ignore them, e.g. a task "
                    "head)")
@@ -124,6 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default="1", help="model version for the manifest (default: 1)")
     p.set_defaults(run=_convert_hf)
 
+
+    p = sub.add_parser("check", help="compare a bundle with the eager model it was converted from",
+                       description="Run the eager model from --reference and the bundle on random batches of "
+                       "mixed lengths, with and without the causal mask, and print the worst difference on real "
+                       "positions (JSON). Exit status 1 when it exceeds --atol. The contract of the reference is "
+                       "in model/check.py.")
+    p.add_argument("directory", type=Path, help="bundle directory")
+    p.add_argument("--reference", required=True, metavar="MODULE.py:FACTORY",
+                   help="factory() returns the eager model; forward(ids, mask) -> hidden (B, T, d_model)")
+    p.add_argument("--atol", type=float, default=1e-5, help="largest accepted absolute difference (default: 1e-5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.set_defaults(run=_check)
+
     p = sub.add_parser("info", help="print a bundle's manifest", description="Print DIR/manifest.json, checked.")
     p.add_argument("directory", type=Path, help="bundle directory")
     p.set_defaults(run=_info)
@@ -134,11 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.run(args)
-    except (BundleError, ConversionError, HFConversionError) as e:
+    except (BundleError, ConversionError, ValueError) as e:  # CheckError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
-    return 0
+    return getattr(args, "exit_code", 0)
 
 
 if __name__ == "__main__":

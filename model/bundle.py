@@ -185,10 +185,20 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "layer_norm_eps": float(first.ln1.eps),
             "final_norm": "ln_f.weight" in params,
             "embedding_norm": "ln_emb.weight" in params,
+            # Bundles from before these fields have neither constant: no bias, 1/sqrt(d_head).
+            "relative_bias": "per_layer" if getattr(first.attn, "has_rel_bias", False)
+            else "shared" if getattr(enc, "has_rel_bias", False) else "none",
+            "attention_scale": float(first.attn.scale),
         }
+        tables = ([b.attn.rel_bias for b in blocks] if facts["relative_bias"] == "per_layer"
+                  else [enc.rel_bias] if facts["relative_bias"] == "shared" else [])
+        want_table = (facts["n_heads"], facts["max_length"], facts["max_length"])
+        if any(tuple(t.shape) != want_table for t in tables):
+            raise BundleError(f"the module's relative bias tables are {[tuple(t.shape) for t in tables]}, not "
+                              f"(n_heads, max_length, max_length) = {want_table}")
         # Constants each layer holds for itself must agree with the first (and the encoder's own count).
         layer_facts = {(int(b.attn.n_heads), int(b.attn.d_head), bool(b.norm_first), bool(b.ff.use_gelu),
-                        float(b.ln1.eps), float(b.ln2.eps)) for b in blocks}
+                        float(b.ln1.eps), float(b.ln2.eps), float(b.attn.scale)) for b in blocks}
         if int(enc.n_layers) != len(blocks) or len(layer_facts) != 1:
             raise BundleError(f"the module's layers disagree: n_layers constant {int(enc.n_layers)}, "
                               f"{len(blocks)} blocks, per-layer constants {sorted(layer_facts)}")
@@ -206,7 +216,8 @@ def module_config_facts(module: Any) -> dict[str, Any]:
 def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
     """Refuse a module that contradicts its manifest: config fields by name, weights by digest."""
     facts = module_config_facts(module)
-    config = manifest.config.to_dict()
+    # The scale the manifest's config means (null: 1/sqrt(d_head)) against the one the module multiplies by.
+    config = {**manifest.config.to_dict(), "attention_scale": manifest.config.scale}
     wrong = [f"config.{k} is {config[k]!r} in the manifest, {v!r} in the module" for k, v in facts.items()
              if config[k] != v]
     if wrong:

@@ -27,7 +27,13 @@ Ops (`src` is a source key or, for the ops that take several, a list of keys or 
   add          the sum of the parts, broadcast (BERT's token type row 0 folded into its word table)
   row0         the first row of a tensor: (N, ...) -> (...)
   zeros, ones  no source: what a module without that parameter computes (bias=False: zeros)
-Entries for parameters this config does not have (ln_f without final_norm, say) are skipped.
+Any spec may say "times": a number, to multiply its result (an embedding the model scales by
+sqrt(d_model) in forward becomes the table times that: the same fp32 products). A top-level spec may say
+"absent": "zeros" | "ones": if none of its source keys is in the state_dict, the
+parameter is that (one map then reads Linear(bias=True) and Linear(bias=False) models; some keys present
+and some not is still an error). Entries for parameters this config does not have (ln_f without
+final_norm, say) are skipped. "requires" values are a value, a list of allowed values, or for
+attention_scale "1/sqrt(d_head)" or "1/sqrt(d_model)".
 
 Public API: ConversionError; KeyMap (.load(path), .builtin(name), .from_dict(data), .with_vars(**v));
 convert(state_dict, config, keymap, strict=False) -> Encoder; resolve(keymap, config) -> {ours: spec};
@@ -45,6 +51,7 @@ norm_first, activation, layer_norm_eps and the positional encoding must be set i
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -95,11 +102,20 @@ class KeyMap:
         params = data.get("params")
         if not isinstance(params, Mapping) or not params:
             raise ConversionError(f"key map {name}: params must be a non-empty object")
+        variables, requires = data.get("vars", {}), data.get("requires", {})
+        if not isinstance(variables, Mapping) or not all(v is None or isinstance(v, str) for v in variables.values()):
+            raise ConversionError(f"key map {name}: vars must map names to strings (or null: unset)")
+        if not isinstance(requires, Mapping):
+            raise ConversionError(f"key map {name}: requires must map EncoderConfig fields to values")
+        for key in ("checked", "ignore"):
+            value = data.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConversionError(f"key map {name}: {key} must be a list of strings")
         config_fields = set(EncoderConfig.__dataclass_fields__)
         bad_requires = sorted(set(data.get("requires", {})) - config_fields)
         if bad_requires:
             raise ConversionError(f"key map {name}: requires names unknown EncoderConfig fields {bad_requires}")
-        problems = [p for ours, spec in params.items() for p in _check_spec(spec, str(ours))]
+        problems = [p for ours, spec in params.items() for p in _check_spec(spec, str(ours), top=True)]
         if problems:
             raise ConversionError(f"key map {name}: " + "; ".join(problems))
         checked = data.get("checked")
@@ -142,16 +158,21 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in KEYMAP_DIR.glob("*.json"))
 
 
-def _check_spec(spec: Any, where: str) -> list[str]:
+def _check_spec(spec: Any, where: str, top: bool = False) -> list[str]:
     """Problems with the form of one spec (not its keys or shapes), for a load-time error."""
     if isinstance(spec, str):
         return []
     if not isinstance(spec, Mapping) or spec.get("op") not in OPS:
         op = spec.get("op") if isinstance(spec, Mapping) else spec
         return [f"{where}: op {op!r} is not one of {list(OPS)}"]
-    extra = sorted(set(spec) - {"op", "src"})
+    extra = sorted(set(spec) - {"op", "src", "times", *(["absent"] if top else [])})
     if extra:
         return [f"{where}: unknown spec fields {extra}"]
+    times = spec.get("times", 1.0)
+    if isinstance(times, bool) or not isinstance(times, int | float) or not math.isfinite(times):
+        return [f"{where}: times must be a finite number, got {times!r}"]
+    if spec.get("absent", "zeros") not in _NO_SRC:
+        return [f"{where}: absent must be 'zeros' or 'ones', got {spec['absent']!r}"]
     op, src = spec["op"], spec.get("src")
     if op in _NO_SRC:
         return [] if src is None else [f"{where}: {op} takes no src"]
@@ -217,6 +238,15 @@ def resolve(keymap: KeyMap, config: EncoderConfig) -> dict[str, Any]:
     for name, allowed in keymap.requires.items():
         allowed_values = allowed if isinstance(allowed, list) else [allowed]
         value = getattr(config, name)
+        if name == "attention_scale":  # the scale the config means against the formula the source uses
+            formulas = {"1/sqrt(d_head)": config.d_head, "1/sqrt(d_model)": config.d_model}
+            wants = [1.0 / math.sqrt(formulas[a]) if a in formulas else a for a in allowed_values]
+            if not any(w is not None and math.isclose(config.scale, w, rel_tol=1e-12) for w in wants) and not (
+                    None in wants and value is None):
+                problems.append(f"config field attention_scale={value!r} (scale {config.scale:.6g}): the source "
+                                f"layout of key map {keymap.name} scales by "
+                                f"{' or '.join(map(str, allowed_values))} = {' or '.join(f'{w:.6g}' for w in wants)}")
+            continue
         if value not in allowed_values:
             problems.append(f"config field {name}={value!r}: the source layout of key map {keymap.name} cannot "
                             f"express it (it has {name}={' or '.join(map(repr, allowed_values))})")
@@ -252,10 +282,11 @@ def _sources(spec: Mapping[str, Any]) -> list[str]:
 
 def _describe(spec: Mapping[str, Any]) -> str:
     src = spec.get("src")
-    if src is None:
-        return spec["op"]
-    parts = src if isinstance(src, list) else [src]
-    return f"{spec['op']}({', '.join(s if isinstance(s, str) else _describe(s) for s in parts)})"
+    parts = [] if src is None else src if isinstance(src, list) else [src]
+    text = spec["op"]
+    if parts:
+        text += f"({', '.join(s if isinstance(s, str) else _describe(s) for s in parts)})"
+    return f"{text} * {spec['times']}" if "times" in spec else text
 
 
 class _NotApplicable(Exception):
@@ -265,6 +296,12 @@ class _NotApplicable(Exception):
 def _apply(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor], config: EncoderConfig,
            shape: tuple[int, ...]) -> torch.Tensor:
     """Evaluate one spec to a tensor; `shape` is the target's (used by zeros/ones and reshape only)."""
+    x = _apply_op(spec, state, config, shape)
+    return x * float(spec["times"]) if "times" in spec else x
+
+
+def _apply_op(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor], config: EncoderConfig,
+              shape: tuple[int, ...]) -> torch.Tensor:
     op = spec["op"]
     if op in _NO_SRC:
         return (torch.zeros if op == "zeros" else torch.ones)(shape)
@@ -322,13 +359,16 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
     encoder = Encoder(config)
     expected = encoder.state_dict()
     variables = keymap.vars
-    wanted = {k for spec in plan.values() for k in _sources(spec)}
     ignored_known = set(_expand_prefixes(keymap.ignore, variables))
     checked = None if keymap.checked is None else _expand_prefixes(keymap.checked, variables)
 
     def is_checked(key: str) -> bool:
         return strict or checked is None or key.startswith(checked)
 
+    # "absent": a parameter none of whose sources is there is zeros/ones (a Linear built with bias=False).
+    absent = {ours for ours, spec in plan.items()
+              if "absent" in spec and _sources(spec) and not any(k in state_dict for k in _sources(spec))}
+    wanted = {k for ours, spec in plan.items() if ours not in absent for k in _sources(spec)}
     missing = sorted(k for k in wanted if k not in state_dict)
     unused = [k for k in state_dict if k not in wanted and k not in ignored_known]
     unexpected = sorted(k for k in unused if is_checked(k))
@@ -344,6 +384,8 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
                if k not in bad_keys}
     ours_sd: dict[str, torch.Tensor] = {}
     for ours, spec in plan.items():
+        if ours in absent:
+            spec = {"op": spec["absent"]}
         if any(k not in tensors for k in _sources(spec)):
             continue  # already reported as missing or mis-typed
         want = tuple(expected[ours].shape)

@@ -17,7 +17,7 @@ CFG = tiny(positional="learned", final_norm=True)
 # A source that stores our weights in every way an op undoes: q/k/v apart, transposed, a shared head
 # matrix, a factored projection, no biases where ours are zero, LayerNorm weights absent where ours are 1.
 PARAMS = {
-    "tok_emb.weight": "emb",
+    "tok_emb.weight": {"op": "copy", "src": "emb", "times": 0.5},
     "pos_emb": {"op": "reshape", "src": "pos"},
     "blocks.{i}.attn.qkv.weight": {"op": "concat", "src": [
         {"op": "block_diag", "src": "{p}{i}.q_head"}, {"op": "transpose", "src": "{p}{i}.k_in_out"},
@@ -52,7 +52,7 @@ def _source(config: EncoderConfig) -> tuple[dict[str, torch.Tensor], Encoder]:
                                     "norm.bias": r(C), "buffer.unused": r(3)}
     want = Encoder(config)
     sd = want.state_dict()
-    sd["tok_emb.weight"], sd["pos_emb"] = src["emb"], src["pos"][0]
+    sd["tok_emb.weight"], sd["pos_emb"] = src["emb"] * 0.5, src["pos"][0]
     sd["ln_f.weight"], sd["ln_f.bias"] = src["norm.weight"], src["norm.bias"]
     for i in range(config.n_layers):
         p, b = f"layers.{i}.", f"blocks.{i}."
@@ -81,7 +81,7 @@ def _toml(data: dict) -> str:
 
 
 def _toml_value(v: object) -> str:
-    if isinstance(v, str):
+    if isinstance(v, str | float):
         return json.dumps(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
@@ -174,8 +174,11 @@ def test_vars_unset_unknown_and_overridden() -> None:
         ({"params": {"tok_emb.weight": {"op": "concat", "src": "x"}}}, "concat needs a list of at least two"),
         ({"params": {"tok_emb.weight": {"op": "zeros", "src": "x"}}}, "zeros takes no src"),
         ({"params": {"tok_emb.weight": {"op": "copy", "src": "x", "dim": 1}}}, r"unknown spec fields \['dim'\]"),
+        ({"params": {"tok_emb.weight": {"op": "copy", "src": "x", "times": "2"}}}, "times must be a finite number"),
         ({"requires": {"n_layer": 2}}, r"requires names unknown EncoderConfig fields \['n_layer'\]"),
         ({"map": {}}, r"unknown fields \['map'\]"),
+        ({"vars": ["p"]}, "vars must map names to strings"),
+        ({"checked": "layers."}, "checked must be a list of strings"),
     ],
 )
 def test_malformed_key_maps_are_refused_at_load(change: dict, match: str) -> None:
@@ -184,10 +187,25 @@ def test_malformed_key_maps_are_refused_at_load(change: dict, match: str) -> Non
 
 
 def test_builtin_maps_load_and_are_package_data() -> None:
-    assert "stock" in builtin_names()
+    assert {"stock", "article_mha", "article_einsum"} <= set(builtin_names())
     for name in builtin_names():
         assert KeyMap.builtin(name).name == name
     with pytest.raises(ConversionError, match="no built-in key map 'bert'"):
         KeyMap.builtin("bert")
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert 'model = ["keymaps/*.json", "keymaps/*.toml"]' in pyproject
+
+
+def test_the_stock_layout_has_no_relative_bias_and_the_standard_scale() -> None:
+    from model.convert import convert_state_dict
+    from tests.model_helpers import StockEncoder
+
+    config = tiny(positional="none")
+    state = StockEncoder(config).state_dict()
+    with pytest.raises(ConversionError, match=r"config field relative_bias='shared': the source layout of key map "
+                                              r"stock cannot express it \(it has relative_bias='none'\)"):
+        convert_state_dict(state, tiny(positional="none", relative_bias="shared"))
+    with pytest.raises(ConversionError, match=r"config field attention_scale=0\.125 \(scale 0\.125\): the source "
+                                              r"layout of key map stock scales by 1/sqrt\(d_head\) = 0\.353553"):
+        convert_state_dict(state, tiny(positional="none", attention_scale=0.125))
+    convert_state_dict(state, tiny(positional="none", attention_scale=1 / 8 ** 0.5))  # the same scale, explicit
