@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
-.PHONY: venv run test test-fast proto lint typecheck check bench bench-model gpu-check gpu-wheels system-deps clean
+.PHONY: venv run test test-fast proto lint typecheck check bench bench-text bench-model gpu-check gpu-wheels system-deps clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,8 +41,12 @@ check: lint typecheck test
 bench-model: $(STAMP)  ## the model's in-process ceiling (bench/RESULTS.md)
 	$(BIN)/python -m bench.model_bench
 
-bench: $(STAMP)  ## the service against its ceiling (bench/RESULTS.md)
+bench: $(STAMP)  ## the service against its ceiling, ids and then text on all-MiniLM-L6-v2 (bench/RESULTS.md)
 	$(BIN)/python -m bench.service_bench
+	$(BIN)/python -m bench.text_bench
+
+bench-text: $(STAMP)  ## text in: all-MiniLM-L6-v2 through the service against its in-process ceiling, c1/16/64
+	$(BIN)/python -m bench.text_bench
 
 # Not on .venv: its torch is the CPU build. GPU_PYTHON is a python whose torch has CUDA (see bench/gpu_check.py).
 GPU_PYTHON ?= python3
