@@ -16,14 +16,14 @@ from google.rpc import error_details_pb2
 
 from client import EncoderClient
 from client.errors import InvalidArgument
-from client.tensors import from_tensor
 from model.bundle import BundleError
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import from_tensor
 from service.config import ServiceConfig
 from service.validation import validate
-from tests.conftest import ids_request
+from tests.helpers import details_of, ids_request
 from tests.hf_helpers import Reference
-from tests.reliability_helpers import assert_clean_status, details_of
+from tests.reliability_helpers import assert_clean_status
 
 
 def _text_request(*texts: str, **fields: Any) -> pb.EncodeRequest:
@@ -90,7 +90,7 @@ async def test_minilm_info_and_client_strings(start_server: Any, minilm_bundle: 
 
 async def test_text_and_ids_share_a_computation(start_server: Any, tiny_text_bundle: Path) -> None:
     served = await start_server(bundle=tiny_text_bundle)
-    spec = served.server.state.spec
+    spec, _ = served.server.serving.require_ready()
     text = validate(_text_request("the cats"), spec, served.server.config)
     ids = validate(ids_request(np.array([2, 8, 9, 10, 3])), spec, served.server.config)
     assert text.jobs[0].key == ids.jobs[0].key  # so the batcher may put them in one batch
