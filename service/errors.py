@@ -4,6 +4,7 @@
     ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
     │   └── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
+    ├── NotFound            NOT_FOUND           no such model or version (the KServe v2 front door)
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
     ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
     ├── DeadlineExceeded    DEADLINE_EXCEEDED   the deadline passed before the work could be done
@@ -44,6 +45,10 @@ class NonFiniteInput(InvalidInput):
 
 
 class FailedPrecondition(ServiceError):
+    pass
+
+
+class NotFound(ServiceError):
     pass
 
 
@@ -99,6 +104,7 @@ STATUS_OF: dict[type[ServiceError], str] = {
     InvalidInput: "INVALID_ARGUMENT",
     NonFiniteInput: "INVALID_ARGUMENT",
     FailedPrecondition: "FAILED_PRECONDITION",
+    NotFound: "NOT_FOUND",
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
@@ -116,6 +122,7 @@ REASON_OF: dict[type[ServiceError], str] = {
     InvalidInput: "invalid_argument",
     NonFiniteInput: "nonfinite_input",
     FailedPrecondition: "failed_precondition",
+    NotFound: "not_found",
     Overloaded: "queue_full",
     OutOfMemory: "oom",
     DeadlineExceeded: "deadline",
