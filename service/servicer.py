@@ -138,18 +138,30 @@ class AttentionServicer:
     # -- the call ---------------------------------------------------------------------------------
 
     async def _encode(self, request: pb.EncodeRequest, remaining: float) -> pb.EncodeResponse:
-        spec = self._state.require_ready()
-        floor_ms = self._config.min_deadline_ms
-        if remaining * 1e3 < floor_ms:  # refuse at the door what could not finish in time
-            raise DeadlineUnmeetable(f"deadline too short: {max(remaining, 0) * 1e3:.1f} ms left; "
-                                   f"this service needs at least {floor_ms:g} ms")
+        spec = self.admit(remaining)
         try:
             plan = validate(request, spec, self._config)
         except NonFiniteInput:
             self._metrics.nonfinite_inputs.inc()
             raise
+        done = await self.compute(plan.jobs, remaining)
+        return _response(plan, done, spec)
+
+    # admit() and compute() are the path every front door shares (service/kserve.py calls them too).
+
+    def admit(self, remaining: float) -> ModelSpec:
+        """The model, when this call may go ahead: ready, not draining, and time enough left."""
+        spec = self._state.require_ready()
+        floor_ms = self._config.min_deadline_ms
+        if remaining * 1e3 < floor_ms:  # refuse at the door what could not finish in time
+            raise DeadlineUnmeetable(f"deadline too short: {max(remaining, 0) * 1e3:.1f} ms left; "
+                                   f"this service needs at least {floor_ms:g} ms")
+        return spec
+
+    async def compute(self, jobs: Sequence[Job], remaining: float) -> list[Done]:
+        """Queue a call's validated jobs (all or none) and await their results, in order."""
         items = self._batcher.submit(
-            [Request(job, job.length, job.key) for job in plan.jobs], time.monotonic() + remaining
+            [Request(job, job.length, job.key) for job in jobs], time.monotonic() + remaining
         )
         try:
             async with asyncio.timeout(remaining):
@@ -164,7 +176,7 @@ class AttentionServicer:
             # may still be queued. Items that ran or are running are left alone.
             self._batcher.cancel(items)
         self._metrics.sequences.inc(len(done))
-        return _response(plan, done, spec)
+        return done
 
     def _model_info(self) -> pb.ModelInfo:
         spec = self._state.require_ready()
@@ -213,6 +225,8 @@ class AttentionServicer:
             raise AssertionError("abort returned. This is a bug.")
         finally:
             self._observe(method, code, started)
+
+    answer = _answer  # one call's outcome, for every front door (service/kserve.py)
 
     def _as_service_error(self, exc: BaseException, method: str) -> ServiceError:
         """The error a caller sees for `exc`, counted once in attention_failures_total."""
