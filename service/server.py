@@ -38,6 +38,8 @@ from service.device import default_batch_tokens, default_threads, default_worker
 from service.hooks import Hooks
 from service.interceptors import MetricsInterceptor
 from service.jobs import Job
+from service.kserve import SERVICE_NAME as KSERVE_NAME
+from service.kserve import KServeServicer
 from service.metrics import Metrics
 from service.runner import Launched, Runner
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
@@ -81,6 +83,8 @@ class Server:
                                              admit_delay_s=self.hooks.after_admit, pipeline=self,
                                              workers=self.workers, set_wide=self._set_wide)
         self.servicer = AttentionServicer(config, self.batcher, self.state, self.metrics)
+        # The KServe v2 front door: the same admission, batcher, error table and metrics.
+        self.kserve = KServeServicer(config, self.state, self.servicer, self.metrics, self.workers)
         interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
         tokens = load_tokens(config)
         self.auth: AuthInterceptor | None = None
@@ -88,11 +92,11 @@ class Server:
             self.auth = AuthInterceptor(TokenChecker(tokens), registry)
             interceptors.insert(0, self.auth)  # outermost: nothing else runs for an unauthenticated call
         self.grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(),))
+        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(), self.kserve.rpc_handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if config.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                                self.grpc)
+            names = (SERVICE_NAME, KSERVE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.grpc)
         self.health_grpc: grpc.aio.Server | None = None
         address = f"{config.host}:{config.port}"
         credentials = server_credentials(config)
