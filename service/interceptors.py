@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -73,6 +74,30 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
                            response_serializer=handler.response_serializer)
 
         stream_behavior = handler.unary_stream or handler.stream_stream
+        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                   else grpc.stream_stream_rpc_method_handler)
+
+        if not inspect.isasyncgenfunction(stream_behavior):
+            # A streaming handler may also be a coroutine that writes with `context.write()` (the
+            # standard health servicer's Watch): wrapped as a generator, it would fail with UNKNOWN.
+            async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                m.grpc_started.labels(*labels).inc()
+                started = time.perf_counter()
+                code = "UNKNOWN"
+                try:
+                    await stream_behavior(request, context)
+                    code = _code_name(context)
+                except grpc.aio.AbortError:
+                    code = _code_name(context)
+                    raise
+                except asyncio.CancelledError:
+                    code = _cancel_code(context)
+                    raise
+                finally:
+                    finish(code, started)
+
+            return factory(writer, request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             m.grpc_started.labels(*labels).inc()
@@ -92,7 +117,5 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             finally:
                 finish(code, started)
 
-        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
-                   else grpc.stream_stream_rpc_method_handler)
         return factory(stream, request_deserializer=handler.request_deserializer,
                        response_serializer=handler.response_serializer)
