@@ -13,13 +13,17 @@ would look for (README "Calling it from tritonclient" has the tables):
   then zeros (right padding); outputs are padded back to the request's T with zeros;
 - options are request parameters (`pooling`, `datatype`, `attention_layers`, ...); an unknown
   parameter is INVALID_ARGUMENT, so a misspelt one is never silently ignored;
-- ModelStatistics is model-wide (both front doors), read from the service's metrics.
+- ModelStatistics is model-wide (both front doors), read from the service's metrics;
+- ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
+  "[StatusCode.X] message" and the stream goes on. Repository, shared-memory, trace and log RPCs
+  are UNIMPLEMENTED.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -31,10 +35,10 @@ from client.tensors import float32_to_bfloat16_bits
 from proto.attention.v1 import attention_pb2 as pb
 from service.batcher import Done
 from service.config import ServiceConfig
-from service.errors import FailedPrecondition, InvalidInput, NotFound
+from service.errors import STATUS_OF, FailedPrecondition, InvalidInput, NotFound, ServiceError
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
 from service.metrics import Metrics
-from service.servicer import ServingState, _parse, _remaining
+from service.servicer import ServingState, _parse, _public, _remaining
 from service.validation import Plan, validate_rows
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -65,6 +69,10 @@ class Door(Protocol):
     async def compute(self, jobs: Sequence[Job], remaining: float) -> list[Done]: ...
     async def answer(self, method: str, context: grpc.aio.ServicerContext,
                      work: Callable[[], Awaitable[bytes]]) -> bytes: ...
+    def stream(self, requests: AsyncIterator[bytes],
+               one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]: ...
+    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
+                               failed: Callable[[ServiceError], bytes]) -> bytes: ...
 
 
 class KServeServicer:
@@ -91,6 +99,8 @@ class KServeServicer:
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, *h), response_serializer=bytes)
                    for name, h in handlers.items()}
         methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(self.model_infer, response_serializer=bytes)
+        methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer, response_serializer=bytes)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
     def _unary(self, method: str, request_type: Any, handle: Callable[[Any], Any]) -> Any:
@@ -110,6 +120,41 @@ class KServeServicer:
             return data
 
         return await self._door.answer("ModelInfer", context, work)
+
+    async def model_stream_infer(self, requests: AsyncIterator[bytes],
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """One response per request, in completion order (`id` echoed). A failed request answers with
+        `error_message` "[StatusCode.X] message" (the text tritonclient shows for a unary error; the
+        stream has no code field) and the stream goes on."""
+        async def one(raw: bytes) -> bytes:
+            request_id, final = "", False
+
+            async def work() -> bytes:
+                nonlocal request_id, final
+                request = _parse(v2.ModelInferRequest, raw)
+                request_id = request.id
+                final = _final_flag(request)
+                response = v2.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, _remaining(context, self._config)))
+                if final:
+                    response.infer_response.parameters["triton_final_response"].bool_param = True
+                data: bytes = response.SerializeToString()
+                return data
+
+            def failed(error: ServiceError) -> bytes:
+                response = v2.ModelStreamInferResponse(
+                    error_message=_public(f"[StatusCode.{STATUS_OF[type(error)]}] {error.message}"),
+                    infer_response=v2.ModelInferResponse(id=request_id))
+                if final:
+                    response.infer_response.parameters["triton_final_response"].bool_param = True
+                data: bytes = response.SerializeToString()
+                return data
+
+            return await self._door.answer_in_stream("ModelStreamInfer", work, failed)
+
+        async with contextlib.aclosing(self._door.stream(requests, one)) as responses:
+            async for response in responses:
+                yield response
 
     # -- health and description -------------------------------------------------------------------
 
@@ -222,6 +267,12 @@ class KServeServicer:
         done = await self._door.compute(plan.jobs, remaining)
         self._last_inference_ms = int(time.time() * 1e3)
         return _response(request, spec, plan, done, outputs, T)
+
+
+def _final_flag(request: Any) -> bool:
+    """Triton's `triton_enable_empty_final_response`: mark each (single) response as the request's last."""
+    flag = request.parameters.get("triton_enable_empty_final_response")
+    return flag is not None and flag.bool_param
 
 
 def _names(spec: ModelSpec, name: str, version: str) -> bool:

@@ -9,9 +9,10 @@ sent). Our own `CancelledError`s never escape a handler (a caller would hang unt
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,33 +93,45 @@ class AttentionServicer:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         """One response per request, in completion order; a failed request answers with `error` set."""
+        async def one(raw: bytes) -> bytes:
+            request_id = ""
+
+            async def work() -> bytes:
+                nonlocal request_id
+                request = _parse(pb.EncodeRequest, raw)
+                request_id = request.request_id
+                data: bytes = (await self._encode(request, _remaining(context, self._config))).SerializeToString()
+                return data
+
+            return await self.answer_in_stream(
+                "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())
+
+        async with contextlib.aclosing(self.stream(requests, one)) as responses:
+            async for response in responses:
+                yield response
+
+    # stream() and answer_in_stream() are the streaming path every front door shares (service/kserve.py).
+
+    async def stream(self, requests: AsyncIterator[bytes],
+                     one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]:
+        """A bidirectional stream: each request answered by `one` (which answers its own failures), in
+        completion order, at most `max_stream_inflight` at a time."""
         out: asyncio.Queue[bytes | None] = asyncio.Queue()
         slots = asyncio.Semaphore(self._config.max_stream_inflight)
         tasks: set[asyncio.Task[None]] = set()
 
-        async def one(raw: bytes) -> None:
-            started = time.perf_counter()
-            request_id = ""
+        async def run(raw: bytes) -> None:
             try:
-                request = _parse(pb.EncodeRequest, raw)
-                request_id = request.request_id
-                response = await self._encode(request, _remaining(context, self._config))
-            except Exception as exc:  # every request of the stream gets an answer, whatever failed
-                response = _stream_error(request_id, self._as_service_error(exc, "EncodeStream"))
-            except asyncio.CancelledError as exc:
-                if _being_cancelled():
-                    raise
-                response = _stream_error(request_id, self._as_service_error(exc, "EncodeStream"))
+                response = await one(raw)
             finally:
                 slots.release()
-            self._observe("EncodeStream", response.error.code or "OK", started)
-            await out.put(response.SerializeToString())
+            await out.put(response)
 
         async def read() -> None:
             try:
                 async for raw in requests:
                     await slots.acquire()
-                    task = asyncio.create_task(one(raw))
+                    task = asyncio.create_task(run(raw))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 if tasks:
@@ -134,6 +147,24 @@ class AttentionServicer:
         finally:
             for task in (reader, *tasks):
                 task.cancel()
+
+    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
+                               failed: Callable[[ServiceError], bytes]) -> bytes:
+        """One request of a stream: `work()`, or `failed(error)` with the error a caller sees; counted.
+        The stream goes on either way (unless the call itself is being cancelled)."""
+        started = time.perf_counter()
+        try:
+            response, code = await work(), "OK"
+        except Exception as exc:  # every request of the stream gets an answer, whatever failed
+            error = self._as_service_error(exc, method)
+            response, code = failed(error), STATUS_OF[type(error)]
+        except asyncio.CancelledError as exc:
+            if _being_cancelled():
+                raise
+            error = self._as_service_error(exc, method)
+            response, code = failed(error), STATUS_OF[type(error)]
+        self._observe(method, code, started)
+        return response
 
     # -- the call ---------------------------------------------------------------------------------
 

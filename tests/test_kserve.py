@@ -367,3 +367,70 @@ async def test_v2_calls_are_counted_in_both_metric_families(served: Running, aio
             "grpc_type": "unary", "grpc_service": "inference.GRPCInferenceService", "grpc_method": method,
             "grpc_code": "OK"}) == 1
     assert served.sample("attention_sequences_total") == 2
+
+
+async def test_stream_answers_every_request_and_goes_on_after_a_failure(served: Running, aio: Any, reference_model):
+    ids, mask = ragged([5, 2], seed=4)
+    bad = np.full((1, 2), 100, np.int64)  # id over vocab
+
+    async def requests() -> Any:
+        for i, (x, m) in enumerate([(ids, mask), (bad, None), (ids[:1, :5], None)]):
+            yield {"model_name": MODEL, "inputs": inputs(x, m), "request_id": f"r{i}",
+                   "outputs": outputs("last_hidden_state")}
+
+    answers: dict[str, Any] = {}
+    async for result, error in aio.stream_infer(requests()):
+        if error is not None:
+            answers["error"] = error
+        else:
+            answers[result.get_response().id] = result
+        if len(answers) == 3:
+            break
+    assert set(answers) == {"r0", "r2", "error"}
+    assert answers["error"].message() == "[StatusCode.INVALID_ARGUMENT] input_ids[0, 0]: id 100 not in [0, 100)"
+    for i, n in enumerate([5, 2]):
+        np.testing.assert_allclose(answers["r0"].as_numpy("last_hidden_state")[i, :n],
+                                   reference_model(ids[i, :n])[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(answers["r2"].as_numpy("last_hidden_state")[0], reference_model(ids[0, :5])[0],
+                               atol=1e-5, rtol=0)
+    assert served.sample("attention_requests_total", {"method": "ModelStreamInfer", "code": "OK"}) == 2
+    assert served.sample("attention_requests_total", {"method": "ModelStreamInfer", "code": "INVALID_ARGUMENT"}) == 1
+
+    # The sync client's stream: results arrive on its callback thread.
+    sync = triton.InferenceServerClient(served.target)
+    got: list[Any] = []
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def callback(result: Any, error: Any) -> None:
+        got.append((result, error))
+        loop.call_soon_threadsafe(done.set)
+
+    try:
+        await asyncio.to_thread(sync.start_stream, callback)
+        await asyncio.to_thread(sync.async_stream_infer, MODEL, inputs(ids, mask), request_id="sync")
+        await asyncio.wait_for(done.wait(), 10)
+    finally:
+        await asyncio.to_thread(sync.stop_stream)
+        sync.close()
+    (result, error), = got
+    assert error is None and result.get_response().id == "sync"
+    np.testing.assert_allclose(result.as_numpy("pooled")[1], reference_model(ids[1, :2])[0].mean(axis=0),
+                               atol=1e-5, rtol=0)
+
+
+async def test_model_failures_are_internal_with_a_ref_and_nothing_leaked(start_server, fault_bundle, fault_state):  # noqa: F811
+    s = await start_server(bundle=fault_bundle)
+    client = triton_aio.InferenceServerClient(s.target)
+    try:
+        for sentinel, text in ((faults.NAN_ALWAYS, "non-finite model output (ref="),
+                               (faults.RAISE, "inference failed (ref=")):
+            with pytest.raises(InferenceServerException) as info:
+                await client.infer("fault-model", inputs(np.array([[1, sentinel, 2]], np.int64)))
+            assert info.value.status() == "StatusCode.INTERNAL" and info.value.message().startswith(text)
+            assert "fault-model" not in info.value.message() and "Traceback" not in info.value.message()
+        ok = await client.infer("fault-model", inputs(np.array([[1, 2, 3]], np.int64)))  # still serving
+        assert ok.as_numpy("pooled").shape == (1, D)
+        assert s.sample("attention_nonfinite_outputs_total", {"precision": "fp32"}) == 1
+    finally:
+        await client.close()
