@@ -326,7 +326,7 @@ async def test_other_refusals_have_their_codes(start_server):
     assert s.sample("attention_requests_total", {"method": "ModelInfer", "code": "UNKNOWN"}) == 0
 
 
-async def test_deadline_cancel_and_not_ready_hold_as_for_v1(start_server, fault_bundle, fault_state):  # noqa: F811
+async def test_deadline_cancellation_and_not_ready_hold_as_for_v1(start_server, fault_bundle, fault_state):  # noqa: F811
     s = await start_server(bundle=fault_bundle, model_workers=1)
     client = triton_aio.InferenceServerClient(s.target)
     try:
@@ -339,6 +339,14 @@ async def test_deadline_cancel_and_not_ready_hold_as_for_v1(start_server, fault_
             "method": "ModelInfer", "code": "DEADLINE_EXCEEDED"}) == 1, 10, "the expired call answered")
         await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
             "attention_dropped_total", {"reason": "deadline"}) == 1, 10, "the expired sequence dropped")
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(s.channel)
+        call = stub.ModelInfer(request_with(model_name="fault-model"), timeout=30)
+        await wait_for(lambda: s.sample("attention_queue_depth") == 2, 10, "the call's two rows queued")
+        call.cancel()
+        await wait_for(lambda: s.sample("attention_requests_total", {
+            "method": "ModelInfer", "code": "CANCELLED"}) == 1, 10, "the cancelled call counted")
+        await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
+            "attention_dropped_total", {"reason": "deadline"}) == 3, 10, "its two rows dropped too")
         faults.HANG_RELEASE.set()
         await holder
         assert s.sample("attention_batch_size_count") == 1  # only the holder's batch ran
