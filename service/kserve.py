@@ -22,6 +22,7 @@ would look for (README "Calling it from tritonclient" has the tables):
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -60,6 +61,7 @@ _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout"}) | _IGNORED
 _INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
 
 
 class Door(Protocol):
@@ -169,8 +171,8 @@ class KServeServicer:
     def _served(self, name: str, version: str) -> ModelSpec:
         spec = self._state.require_ready()
         if not _names(spec, name, version):
-            version_text = f" version {version}" if version else ""
-            raise NotFound(f"Request for unknown model: '{name}'{version_text} is not found")
+            version_text = f" version {_shown(version, quote=False)}" if version else ""
+            raise NotFound(f"Request for unknown model: {_shown(name)}{version_text} is not found")
         return spec
 
     def _model_metadata(self, request: Any) -> Any:
@@ -275,6 +277,15 @@ def _final_flag(request: Any) -> bool:
     return flag is not None and flag.bool_param
 
 
+def _shown(value: Any, quote: bool = True) -> str:
+    """A caller's value in a message: only when short and plain, so no request data (or a path, or
+    control characters) is echoed back."""
+    text = str(value)
+    if not _PLAIN.fullmatch(text):
+        return "(not shown)"
+    return repr(text) if quote and isinstance(value, str) else text
+
+
 def _names(spec: ModelSpec, name: str, version: str) -> bool:
     return name == spec.name and version in ("", spec.version)
 
@@ -292,7 +303,8 @@ def _parameters(parameters: Any) -> dict[str, Any]:
     values = {}
     for name, value in parameters.items():
         if name not in _PARAMETERS:
-            raise InvalidInput(f"parameters.{name}", f"unknown parameter; known: {', '.join(sorted(_PARAMETERS))}")
+            raise InvalidInput(f"parameters.{_shown(name, quote=False)}",
+                               f"unknown parameter; known: {', '.join(sorted(_PARAMETERS))}")
         kind = value.WhichOneof("parameter_choice")
         values[name] = None if kind is None else getattr(value, kind)
     return values
@@ -301,14 +313,14 @@ def _parameters(parameters: Any) -> dict[str, Any]:
 def _str_param(params: dict[str, Any], name: str, allowed: Sequence[str], default: str) -> str:
     value = params.get(name, default)
     if not isinstance(value, str) or value.lower() not in allowed:
-        raise InvalidInput(f"parameters.{name}", f"must be one of {', '.join(allowed)}; got {value!r}")
+        raise InvalidInput(f"parameters.{name}", f"must be one of {', '.join(allowed)}; got {_shown(value)}")
     return value.lower()
 
 
 def _int_param(params: dict[str, Any], name: str, default: int) -> int:
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {value!r}")
+        raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {_shown(value)}")
     return value
 
 
@@ -324,7 +336,7 @@ def _layers(params: dict[str, Any]) -> list[int]:
             return [int(part) for part in value.split(",")]
     except ValueError:
         pass
-    raise InvalidInput("parameters.attention_layers", f"must be an int or comma-separated ints; got {value!r}")
+    raise InvalidInput("parameters.attention_layers", f"must be an int or comma-separated ints; got {_shown(value)}")
 
 
 def _options(params: dict[str, Any], outputs: dict[str, str]) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
@@ -357,12 +369,14 @@ def _requested(request: Any, allow_attention: bool) -> dict[str, str]:
     outputs: dict[str, str] = {}
     for i, output in enumerate(request.outputs):
         if output.name not in known:
-            raise InvalidInput(f"outputs[{i}]", f"unknown output {output.name!r}; this model has {', '.join(known)}")
+            raise InvalidInput(f"outputs[{i}]",
+                               f"unknown output {_shown(output.name)}; this model has {', '.join(known)}")
         if output.name in outputs:
             raise InvalidInput(output.name, "requested twice")
         for name in output.parameters:
             if name != "datatype":
-                raise InvalidInput(f"{output.name}.parameters.{name}", "not supported (only datatype)")
+                raise InvalidInput(f"{output.name}.parameters.{_shown(name, quote=False)}",
+                                   "not supported (only datatype)")
         if output.name == ATTENTION and not allow_attention:
             raise FailedPrecondition("attention output is disabled on this deployment")
         fallback = _float_param(request.parameters, "attention_datatype", "parameters.attention_datatype") \
@@ -377,7 +391,7 @@ def _float_param(parameters: Any, name: str, field: str, default: str = "FP32") 
         return default
     value: str = parameters[name].string_param.upper()
     if value not in _FLOAT_TYPES:
-        raise InvalidInput(field, f"must be FP32, FP16 or BF16; got {parameters[name].string_param!r}")
+        raise InvalidInput(field, f"must be FP32, FP16 or BF16; got {_shown(parameters[name].string_param)}")
     return value
 
 
@@ -390,7 +404,7 @@ def _inputs(request: Any) -> dict[str, np.ndarray]:
     for i, tensor in enumerate(request.inputs):
         name = tensor.name
         if name not in (IDS, MASK, TYPES, TEXT):
-            raise InvalidInput(f"inputs[{i}]", f"unknown input {name!r}; this model takes {IDS}, {MASK}, {TYPES}")
+            raise InvalidInput(f"inputs[{i}]", f"unknown input {_shown(name)}; this model takes {IDS}, {MASK}, {TYPES}")
         if name in arrays:
             raise InvalidInput(name, "given twice")
         if any(key.startswith("shared_memory") for key in tensor.parameters):
@@ -409,7 +423,7 @@ def _inputs(request: Any) -> dict[str, np.ndarray]:
 def _decode(tensor: Any, raw: bytes | None) -> np.ndarray:
     name, datatype, shape = tensor.name, tensor.datatype, [int(d) for d in tensor.shape]
     if datatype not in _INT_TYPES:
-        raise InvalidInput(name, f"datatype must be INT32 or INT64; got {datatype!r}")
+        raise InvalidInput(name, f"datatype must be INT32 or INT64; got {_shown(datatype)}")
     if len(shape) != 2 or min(shape) < 1:
         raise InvalidInput(name, f"shape must be [batch, T], both at least 1; got {shape}")
     dtype = _INT_TYPES[datatype]
