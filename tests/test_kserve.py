@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.grpc import service_pb2 as v2
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
@@ -80,6 +81,13 @@ async def test_health_metadata_and_config_describe_the_served_model(served: Runn
     assert config.parameters["max_length"].string_value == "64"
     # perf_analyzer needs metadata for every output the config names, with the batch dim added.
     assert {(o.name, (-1, *o.dims)) for o in config.output} == {(t.name, tuple(t.shape)) for t in meta.outputs}
+
+    async def ask() -> Any:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
+    [answer] = [r async for r in stub.ServerReflectionInfo(ask(), timeout=10)]
+    assert "inference.GRPCInferenceService" in {s.name for s in answer.list_services_response.service}
 
 
 async def test_unknown_model_or_version_is_not_found_with_tritons_text(aio: Any):
@@ -324,6 +332,9 @@ async def test_other_refusals_have_their_codes(start_server):
     assert "not a valid inference.ModelInferRequest" in info.value.details()
     assert s.sample("attention_failures_total", {"reason": "queue_full"}) == 1
     assert s.sample("attention_requests_total", {"method": "ModelInfer", "code": "UNKNOWN"}) == 0
+    # With attention off, the metadata (which perf_analyzer requests every output of) leaves it out.
+    meta = await stub.ModelMetadata(v2.ModelMetadataRequest(name=MODEL), timeout=10)
+    assert [t.name for t in meta.outputs] == ["last_hidden_state", "pooled"]
 
 
 async def test_deadline_cancellation_and_not_ready_hold_as_for_v1(start_server, fault_bundle, fault_state):  # noqa: F811
