@@ -40,7 +40,7 @@ from service.errors import STATUS_OF, FailedPrecondition, InvalidInput, NotFound
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
 from service.metrics import Metrics
 from service.servicer import ServingState, _parse, _public, _remaining
-from service.validation import Plan, validate_rows
+from service.validation import MAX_REQUEST_ID, Plan, validate_rows
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 SERVER_NAME = "attention-service"
@@ -65,7 +65,8 @@ _PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
 
 
 class Door(Protocol):
-    """What both front doors share (today AttentionServicer's admit/compute/answer)."""
+    """What both front doors share: admission, the batcher, one call's outcome and the stream loop
+    (AttentionServicer implements it today; service/edge.py will)."""
 
     def admit(self, remaining: float) -> ModelSpec: ...
     async def compute(self, jobs: Sequence[Job], remaining: float) -> list[Done]: ...
@@ -252,6 +253,8 @@ class KServeServicer:
     # -- inference --------------------------------------------------------------------------------
 
     async def _infer(self, request: Any, remaining: float) -> Any:
+        if len(request.id) > MAX_REQUEST_ID:
+            raise InvalidInput("id", f"at most {MAX_REQUEST_ID} characters; got {len(request.id)}")
         params = _parameters(request.parameters)
         if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
             remaining = min(remaining, timeout_us / 1e6)

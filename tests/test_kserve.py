@@ -283,6 +283,7 @@ BAD = {  # case: (changes, field the message starts with)
     "missing raw tensor": ({"_": lambda r: r.raw_input_contents.pop()}, "raw_input_contents"),
     "unknown output": ({"_": add_output("logits")}, "outputs[0]"),
     "output twice": ({"a": add_output("pooled"), "b": add_output("pooled")}, "pooled"),
+    "id too long": ({"id": "x" * 129}, "id"),
     "unknown parameter": ({"_": set_param("pooling_mode", string_param="mean")}, "parameters.pooling_mode"),
     "unknown pooling": ({"_": set_param("pooling", string_param="max")}, "parameters.pooling"),
     "int datatype": ({"_": set_param("datatype", string_param="INT8")}, "parameters.datatype"),
