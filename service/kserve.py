@@ -162,7 +162,9 @@ class KServeServicer:
     # -- health and description -------------------------------------------------------------------
 
     def _ready(self) -> bool:
-        return self._state.spec is not None and not self._state.draining
+        # attention_ready is the readiness grpc.health.v1 reports: 1 once warm, 0 from the moment a
+        # shutdown starts (through the drain delay, while calls are still served).
+        return self._state.spec is not None and self._sample("attention_ready") == 1
 
     def _model_ready(self, request: Any) -> Any:
         spec = self._state.spec

@@ -454,3 +454,19 @@ async def test_model_failures_are_internal_with_a_ref_and_nothing_leaked(start_s
         assert s.sample("attention_nonfinite_outputs_total", {"precision": "fp32"}) == 1
     finally:
         await client.close()
+
+
+async def test_ready_turns_false_when_a_shutdown_starts_while_calls_are_still_served(start_server):
+    s = await start_server(drain_delay_s=30)
+    client = triton_aio.InferenceServerClient(s.target)
+    try:
+        assert await client.is_server_ready() and await client.is_model_ready(MODEL)
+        stopping = asyncio.create_task(s.server.stop(1))  # readiness off, then a 30 s drain delay
+        await wait_for(lambda: s.sample("attention_ready") == 0, 10, "shutdown to start")
+        assert not await client.is_server_ready() and not await client.is_model_ready(MODEL)
+        assert await client.is_server_live()
+        result = await client.infer(MODEL, inputs(np.ones((1, 3), np.int64)))  # still served in the delay
+        assert result.as_numpy("pooled").shape == (1, D)
+        stopping.cancel()
+    finally:
+        await client.close()
