@@ -284,15 +284,15 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
 
 
 def ledger(registry: CollectorRegistry) -> dict[str, Any]:
-    """The AttentionService call ledger from the metrics: every started call handled, by code, and
-    what the queue still holds. Read at exit, and by tests."""
+    """The call ledger of both front doors (AttentionService, KServe v2) from the metrics: every
+    started call handled, by code, and what the queue still holds. Read at exit, and by tests."""
     started = 0.0
     handled: dict[str, float] = {}
     dropped: dict[str, float] = {}
     values: dict[str, float] = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.labels.get("grpc_service") == SERVICE_NAME:
+            if sample.labels.get("grpc_service") in (SERVICE_NAME, KSERVE_NAME):
                 if sample.name == "grpc_server_started_total":
                     started += sample.value
                 elif sample.name == "grpc_server_handled_total":

@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 from client.tensors import from_tensor
 from model import faults
 from proto.attention.v1 import attention_pb2 as pb
+from service.server import ledger
 from tests.conftest import Running, ids_request
 from tests.reliability_helpers import fault_state, wait_for  # noqa: F401  (fault_state: a fixture)
 
@@ -473,3 +474,16 @@ async def test_ready_turns_false_when_a_shutdown_starts_while_calls_are_still_se
         stopping.cancel()
     finally:
         await client.close()
+
+
+async def test_all_zero_token_type_ids_are_accepted_and_change_nothing(served: Running, aio: Any, reference_model):
+    ids, mask = ragged([4, 6], seed=5)
+    tensors = inputs(ids, mask, "INT32")
+    types = triton.InferInput("token_type_ids", list(ids.shape), "INT32")
+    types.set_data_from_numpy(np.zeros(ids.shape, np.int32))
+    result = await aio.infer(MODEL, [*tensors, types], outputs=outputs("pooled"))
+    for i, n in enumerate([4, 6]):
+        np.testing.assert_allclose(result.as_numpy("pooled")[i], reference_model(ids[i, :n])[0].mean(axis=0),
+                                   atol=1e-5, rtol=0)
+    book = ledger(served.registry)  # the exit ledger counts the v2 calls too
+    assert book["started"] == sum(book["handled"].values()) >= 1 and book["batched_sequences"] == 2
