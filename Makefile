@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
-.PHONY: venv run test test-fast proto lint typecheck check bench bench-model gpu-check gpu-wheels system-deps clean
+.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-model gpu-check gpu-wheels \
+	system-deps clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +21,9 @@ run: $(STAMP)  ## start the service on the built-in default model (127.0.0.1:500
 system-deps:  ## Debian packages the tests use (prometheus, promtool); no-op when present
 	bash deploy/system-deps.sh
 
-test: $(STAMP) system-deps  ## the whole suite, as CI runs it
+test: lint typecheck proto-check pytest  ## everything CI checks: lint, strict types, stub drift, the whole suite
+
+pytest: $(STAMP) system-deps  ## the test suite alone
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)  ## the suite without the soak and slow tests
@@ -29,13 +32,20 @@ test-fast: $(STAMP)  ## the suite without the soak and slow tests
 proto: $(STAMP)  ## regenerate the committed stubs from the .proto
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
 
+proto-check: $(STAMP)  ## the committed stubs are what `make proto` generates (no drift)
+	rm -rf .cache/proto && mkdir -p .cache/proto
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=.cache/proto --grpc_python_out=.cache/proto \
+	  --pyi_out=.cache/proto $(PROTOS)
+	for f in $(PROTOS:.proto=_pb2.py) $(PROTOS:.proto=_pb2.pyi) $(PROTOS:.proto=_pb2_grpc.py); do \
+	  cmp -s $$f .cache/proto/$$f || { echo "$$f is stale: run make proto"; exit 1; }; done
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-check: lint typecheck test
+check: test
 
 bench-model: $(STAMP)  ## the model's in-process ceiling (bench/RESULTS.md)
 	$(BIN)/python -m bench.model_bench

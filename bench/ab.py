@@ -7,7 +7,7 @@ drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and i
 
 A variant is server flags (`--a-flag=--max-batch-tokens=4096`), a source tree (`--a-source`: another
 checkout, e.g. `git worktree add /tmp/old HEAD~1`) and Python run in the server process before it
-starts (`--b-prelude 'import service.window as w; w.AGE_POWER = 0'`, for experiments that have no
+starts (`--b-prelude 'import service.batching.choice as w; w.AGE_POWER = 0'`, for experiments that have no
 flag). Every round starts a fresh server of each variant (in alternating order) and runs one slice on
 each, alternating which goes first: two processes of the same code differ here by up to 6% for as
 long as they live (A/A runs with one pair of servers kept for 8 rounds gave B/A 1.057, 1.049 and
@@ -23,38 +23,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from bench.server_process import ServerProcess
 from client.bench import run_load
 from model.default import ensure_default_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: float = 300) -> tuple[Any, str]:
-    ready = Path(tempfile.mkdtemp(prefix="ab-")) / "ready.json"
-    code = f"import sys\n{prelude}\nfrom service.__main__ import main\nsys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "--port", "0", "--metrics-port", "-1", "--model", str(model),
-         "--ready-file", str(ready), "--log-level", "warning", *flags],
-        cwd=source, env={**os.environ, "PYTHONPATH": str(source)})
-    end = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise RuntimeError(f"server ({source}, {flags}) did not start")
-        time.sleep(0.1)
-    return proc, f"127.0.0.1:{json.loads(ready.read_text())['port']}"
+def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: float = 300) -> ServerProcess:
+    return ServerProcess(model, "--metrics-port", "-1", "--log-level", "warning", *flags, timeout=timeout,
+                         prelude=prelude or "pass", source=source)
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
@@ -77,15 +63,9 @@ def default_bundle(source: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def stop(sides: dict[str, tuple[Any, str]]) -> None:
-    for proc, _ in sides.values():
-        proc.send_signal(signal.SIGTERM)
-    for proc, _ in sides.values():
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def stop(sides: dict[str, ServerProcess]) -> None:
+    for server in sides.values():
+        server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be in 1..50 and --seconds in (0, 60]")
     models = {side: args.model or default_bundle(getattr(args, f"{side}_source")) for side in ("a", "b")}
 
-    def start_side(side: str) -> tuple[Any, str]:
+    def start_side(side: str) -> ServerProcess:
         return start(models[side], getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
                      getattr(args, f"{side}_flag"))
 
     rows: dict[str, list[tuple[float, float, float, float, float]]] = {"a": [], "b": []}
-    sides: dict[str, tuple[Any, str]] = {}
+    sides: dict[str, ServerProcess] = {}
     try:
         for round_ in range(args.rounds):
             order = ("a", "b") if round_ % 2 == 0 else ("b", "a")
@@ -119,12 +99,12 @@ def main(argv: list[str] | None = None) -> int:
                 if side not in sides:
                     sides[side] = start_side(side)
             for side in order:
-                proc, target = sides[side]
-                cpu_before = cpu_s(proc.pid)
-                r = asyncio.run(run_load(target, concurrency=args.concurrency, duration_s=args.seconds,
+                server = sides[side]
+                cpu_before = cpu_s(server.pid)
+                r = asyncio.run(run_load(server.target, concurrency=args.concurrency, duration_s=args.seconds,
                                          warmup_s=1.0, lengths=tuple(args.lengths), seed=round_, pool_size=512))
                 calls = r.requests + r.warmup_requests
-                cpu_after = cpu_s(proc.pid)
+                cpu_after = cpu_s(server.pid)
                 cpu, loop = (1e3 * (cpu_after[i] - cpu_before[i]) / calls for i in (0, 1))
                 rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
             if not args.keep_servers:

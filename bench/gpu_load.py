@@ -94,7 +94,8 @@ def phase_service(args: argparse.Namespace, deadline: float, record: dict[str, A
     record["server_flags"] = flags
     runs: list[dict[str, Any]] = record.setdefault("runs", [])
     started = time.monotonic()
-    server = ServerProcess(bundle, *flags, log=args.out / "server.log", timeout=min(240.0, deadline - started - 10))
+    server = ServerProcess(bundle, *flags, "--log-level", "warning", directory=args.out,
+                           timeout=min(240.0, deadline - started - 10))
     print(f"  server {server.target} ready in {time.monotonic() - started:.0f} s", flush=True)
     P = args.loadgen_procs
     # The target runs (concurrency 64, all load processes) first, so a short budget still measures them.

@@ -1,4 +1,4 @@
-"""The batch-choice policy (service/window.py `choose_batch`) under closed-loop load, simulated: no
+"""The batch-choice policy (service/batching/choice.py `choose_batch`) under closed-loop load, simulated: no
 model, no threads, no noise, so two policies compare exactly where the shared CPU cannot.
 
     python -m bench.policy_sim [--concurrency 4 16 64 128] [--rate 60 90 105] [--lengths 16 256]
@@ -8,7 +8,7 @@ Closed loop: each of `concurrency` callers keeps one sequence queued or running;
 uniform in `lengths`) arrives the moment its previous one finishes. Open loop (`--rate`): sequences
 arrive at random (Poisson) at that many per second, whatever the queue holds.
 
-The model threads are the batcher's (service/batcher.py, "Workers"): whenever one is free it takes
+The model threads are the batcher's (service/batching/batcher.py, "Workers"): whenever one is free it takes
 the real `choose_batch`'s pick from the queue; a batch that starts with nothing else running and
 leaves nothing queued runs wide on the lead (both cores), every other one narrow (one core) beside
 the others, and nothing starts beside a wide one. A batch takes `cost_ms`, a model of the reference
@@ -18,9 +18,9 @@ encoder's fp32 forward on the 2-core CPU fitted to bench/RESULTS.md (wide: 1 x 1
 least 1/16 of its real tokens runs packed (model/encoder.py): its position-wise work is on the real
 tokens, and only attention and the gathers see the padded grid.
 
-Compared: the policy as it is, the same with every item given the oldest's age (work per cost
-alone, the policy before the age weighting), and the policy with padding priced at a fraction of a
-token (`service.window.PADDING_COST`), as packing makes it cost. The ceiling is length-sorted
+Compared: the policy as it is, and the same with every item given the oldest's age (work per cost
+alone, the policy before the age weighting). (Pricing padding at packing's fraction of a token was
+tried and changed nothing; bench/RESULTS.md.) The ceiling is length-sorted
 batches of the whole mix, as in bench/service_bench.py, run the faster of wide or two narrow.
 """
 
@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-import service.window as window
 from model.encoder import PACK_MIN_PADDING
-from service.batcher import BatchLimits
-from service.window import choose_batch
+from service.batching import BatchLimits
+from service.batching.choice import choose_batch
 
 Policy = Callable[[list[int], list[float], BatchLimits], list[int]]
 
@@ -63,23 +61,6 @@ def age_weighted(lengths: list[int], ages: list[float], limits: BatchLimits) -> 
 
 def unweighted(lengths: list[int], ages: list[float], limits: BatchLimits) -> list[int]:
     return choose_batch(lengths, [ages[0]] * len(ages), limits)  # equal weights; the age bound still holds
-
-
-@contextmanager
-def padding_cost(value: float) -> Iterator[None]:
-    before = window.PADDING_COST
-    window.PADDING_COST = value
-    try:
-        yield
-    finally:
-        window.PADDING_COST = before
-
-
-def padding_priced(value: float) -> Policy:
-    def policy(lengths: list[int], ages: list[float], limits: BatchLimits) -> list[int]:
-        with padding_cost(value):
-            return choose_batch(lengths, ages, limits)
-    return policy
 
 
 @dataclass
@@ -173,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=2000, help="batches simulated per row (bounded: <= 100000)")
     parser.add_argument("--workers", type=int, default=2, help="model workers (the CPU default)")
     parser.add_argument("--max-batch-tokens", type=int, default=1024, help="the CPU default token budget")
-    parser.add_argument("--padding-cost", type=float, default=0.3,
-                        help="what the third policy prices a padded token at, against a real one")
     args = parser.parse_args(argv)
     if not 1 <= args.batches <= 100_000:
         parser.error("--batches must be in 1..100000")
@@ -189,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     loads = [("closed", float(c), f"{c} callers") for c in args.concurrency]
     loads += [("open", r, f"{r:g} seq/s arriving") for r in args.rate]
-    policies = (("work per cost, unweighted", unweighted), ("age-weighted (now)", age_weighted),
-                (f"age-weighted, padding at {args.padding_cost:g}", padding_priced(args.padding_cost)))
+    policies = (("work per cost, unweighted", unweighted), ("age-weighted (now)", age_weighted))
     for kind, value, label in loads:
         load = {"concurrency": int(value)} if kind == "closed" else {"rate": value}
         for name, policy in policies:

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         roof, ceiling = roofs[precision], next(c for c in searched if c.precision == precision)
         flags = ["--precision", precision, "--max-batch-size", str(max_batch_size if batching else 1),
                  "--torch-threads", str(threads), "--model-workers", str(workers), *args.server_flag]
-        server = ServerProcess(bundle, *flags)
+        server = ServerProcess(bundle, *flags, "--log-level", "warning")
         try:
             for lengths in (FIXED, MIXED):
                 for concurrency in args.concurrency:

@@ -20,7 +20,9 @@ from typing import Any
 
 import grpc
 
-SERVICE = "attention.v1.AttentionService"
+from proto.attention.v1.wire import SERVICE_NAME
+
+SERVICE = SERVICE_NAME
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the server's default --max-message-bytes
 

@@ -13,8 +13,8 @@ import numpy as np
 import numpy.typing as npt
 
 from client.errors import InvalidArgument
-from client.tensors import from_tensor, to_tensor
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import from_tensor, to_tensor
 
 Pooling = Literal["none", "mean", "cls"]
 Heads = Literal["all", "mean"]

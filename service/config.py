@@ -68,7 +68,7 @@ class ServiceConfig:
     max_message_bytes: int = _opt(64 << 20, "largest request or response message, bytes")
     max_attention_bytes: int = _opt(16 << 20, "attention weights budget per call, bytes (as returned)")
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
-    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none")
+    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
     # Lifecycle
     drain_delay_s: float = _opt(0.0, "on SIGTERM, keep serving this long after NOT_SERVING (load balancers)")

@@ -21,7 +21,7 @@ def is_cuda(device: str) -> bool:
 
 
 def default_batch_tokens(device: str) -> int:
-    """The token budget when the config says 0. On this project's CPU, batches of 1024 tokens (8 x 128)
+    """The token budget when the config says 0. On this project's CPU, batches of 1024 tokens
     ran as fast per token as 2048 on two threads and faster on one, which each of two workers has
     (bench/RESULTS.md); a GPU wants more."""
     return 16384 if is_cuda(device) else 1024

@@ -9,15 +9,16 @@
     ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
     ├── DeadlineExceeded    DEADLINE_EXCEEDED   the deadline passed before the work could be done
     │   └── DeadlineUnmeetable DEADLINE_EXCEEDED too little time left on arrival (`min_deadline_ms`)
-    ├── Cancelled           CANCELLED           the caller went away
     ├── NotReady            UNAVAILABLE         loading or warming up
     ├── ShuttingDown        UNAVAILABLE         draining for shutdown
-    ├── Unauthenticated     UNAUTHENTICATED     missing or wrong credentials
+    ├── Unauthenticated     UNAUTHENTICATED     missing or wrong credentials (service/security.py)
     └── ModelFailure        INTERNAL            the model raised; the message carries only a reference id
         └── NonFiniteOutput INTERNAL            NaN/Inf output that no fp32 re-run could mend
 
 Codes are names (`grpc.StatusCode[name]` at the edge) so that this module, and the batcher that
-raises these errors, import no grpc. Messages are public: they never hold internals.
+raises these errors, import no grpc. Messages are public: they never hold internals. `status_of`
+and `reason_of` walk an error's classes, so a subclass without its own row gets its parent's. A
+caller that goes away is not an error of ours: grpcio ends that call CANCELLED (service/edge.py).
 """
 
 from __future__ import annotations
@@ -71,10 +72,6 @@ class DeadlineUnmeetable(DeadlineExceeded):
     from deadlines that pass while the work is queued or running)."""
 
 
-class Cancelled(ServiceError):
-    pass
-
-
 class NotReady(ServiceError):
     pass
 
@@ -100,21 +97,18 @@ class NonFiniteOutput(ModelFailure):
         super().__init__("non-finite model output", ref)
 
 
+# The gRPC code of each error type (subclasses not listed take their parent's).
 STATUS_OF: dict[type[ServiceError], str] = {
     InvalidInput: "INVALID_ARGUMENT",
-    NonFiniteInput: "INVALID_ARGUMENT",
     FailedPrecondition: "FAILED_PRECONDITION",
     NotFound: "NOT_FOUND",
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
-    DeadlineUnmeetable: "DEADLINE_EXCEEDED",
-    Cancelled: "CANCELLED",
     NotReady: "UNAVAILABLE",
     ShuttingDown: "UNAVAILABLE",
     Unauthenticated: "UNAUTHENTICATED",
     ModelFailure: "INTERNAL",
-    NonFiniteOutput: "INTERNAL",
 }
 
 # The `reason` label of attention_failures_total for each error type.
@@ -127,10 +121,26 @@ REASON_OF: dict[type[ServiceError], str] = {
     OutOfMemory: "oom",
     DeadlineExceeded: "deadline",
     DeadlineUnmeetable: "deadline_unmeetable",
-    Cancelled: "cancelled",
     NotReady: "not_ready",
     ShuttingDown: "shutting_down",
     Unauthenticated: "unauthenticated",
     ModelFailure: "model_error",
     NonFiniteOutput: "nonfinite_output",
 }
+
+
+def status_of(error: ServiceError) -> str:
+    """The gRPC status code name for `error`."""
+    return _lookup(STATUS_OF, error)
+
+
+def reason_of(error: ServiceError) -> str:
+    """The `reason` label of attention_failures_total for `error`."""
+    return _lookup(REASON_OF, error)
+
+
+def _lookup(table: dict[type[ServiceError], str], error: ServiceError) -> str:
+    for cls in type(error).__mro__:
+        if cls in table:
+            return table[cls]
+    raise AssertionError(f"{type(error).__name__} is not in the error table. This is a bug.")

@@ -40,7 +40,7 @@ class Output:
     hidden: np.ndarray | None  # float32 [T, d_model]
     pooled: np.ndarray | None  # float32 [d_model]
     attention: np.ndarray | None  # float32 [L, H or 1, T, T]
-    nonfinite: bool  # the reduced-precision output was non-finite; this is the fp32 re-run
+    fp32_rerun: bool  # the reduced-precision output was non-finite, so this is an fp32 re-run's
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 The messages are the ones `tritonclient` ships (`tritonclient.grpc.service_pb2`, `model_config_pb2`),
 so the wire is upstream's and shares its descriptors with any tritonclient in the process. Calls
-take the same path as attention.v1 (`Door`: admission, the batcher, the error table, the metrics):
-each row of `input_ids` is one sequence in the same batches as Encode's. Choices a Triton user
-would look for (README "Calling it from tritonclient" has the tables):
+take the same path as attention.v1 (service/edge.py: admission, the batcher, the outcome, the stream
+loop; the same error table and metrics): each row of `input_ids` is one sequence in the same batches
+as Encode's. Choices a Triton user would look for (README "Calling it from tritonclient" has the
+tables):
 
 - unknown model or version: NOT_FOUND "Request for unknown model: ..." (Triton's text); ModelReady
   answers ready=false for it, as Triton does;
@@ -24,22 +25,21 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as v2
 
-from client.tensors import float32_to_bfloat16_bits
 from proto.attention.v1 import attention_pb2 as pb
-from service.batcher import Done
-from service.config import ServiceConfig
-from service.errors import STATUS_OF, FailedPrecondition, InvalidInput, NotFound, ServiceError
-from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
+from proto.attention.v1.wire import float32_to_bfloat16_bits
+from service.batching import Done
+from service.edge import Edge, parse, public, remaining
+from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, status_of
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec
 from service.metrics import Metrics
-from service.servicer import ServingState, _parse, _public, _remaining
 from service.validation import MAX_REQUEST_ID, Plan, validate_rows
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -64,26 +64,10 @@ _INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
 
 
-class Door(Protocol):
-    """What both front doors share: admission, the batcher, one call's outcome and the stream loop
-    (AttentionServicer implements it today; service/edge.py will)."""
-
-    def admit(self, remaining: float) -> ModelSpec: ...
-    async def compute(self, jobs: Sequence[Job], remaining: float) -> list[Done]: ...
-    async def answer(self, method: str, context: grpc.aio.ServicerContext,
-                     work: Callable[[], Awaitable[bytes]]) -> bytes: ...
-    def stream(self, requests: AsyncIterator[bytes],
-               one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]: ...
-    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
-                               failed: Callable[[ServiceError], bytes]) -> bytes: ...
-
-
 class KServeServicer:
-    def __init__(self, config: ServiceConfig, state: ServingState, door: Door, metrics: Metrics,
-                 workers: int = 1) -> None:
-        self._config = config
-        self._state = state
-        self._door = door
+    def __init__(self, edge: Edge, metrics: Metrics, workers: int = 1) -> None:
+        self._edge = edge
+        self._config = edge.config
         self._metrics = metrics
         self._workers = workers
         self._last_inference_ms = 0
@@ -109,20 +93,20 @@ class KServeServicer:
     def _unary(self, method: str, request_type: Any, handle: Callable[[Any], Any]) -> Any:
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             async def work() -> bytes:
-                data: bytes = handle(_parse(request_type, raw)).SerializeToString()
+                data: bytes = handle(parse(request_type, raw)).SerializeToString()
                 return data
 
-            return await self._door.answer(method, context, work)
+            return await self._edge.answer(method, context, work)
 
         return call
 
     async def model_infer(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            request = _parse(v2.ModelInferRequest, raw)
-            data: bytes = (await self._infer(request, _remaining(context, self._config))).SerializeToString()
+            request = parse(v2.ModelInferRequest, raw)
+            data: bytes = (await self._infer(request, remaining(context, self._config))).SerializeToString()
             return data
 
-        return await self._door.answer("ModelInfer", context, work)
+        return await self._edge.answer("ModelInfer", context, work)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -134,11 +118,11 @@ class KServeServicer:
 
             async def work() -> bytes:
                 nonlocal request_id, final
-                request = _parse(v2.ModelInferRequest, raw)
+                request = parse(v2.ModelInferRequest, raw)
                 request_id = request.id
                 final = _final_flag(request)
                 response = v2.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, _remaining(context, self._config)))
+                    infer_response=await self._infer(request, remaining(context, self._config)))
                 if final:
                     response.infer_response.parameters["triton_final_response"].bool_param = True
                 data: bytes = response.SerializeToString()
@@ -146,16 +130,16 @@ class KServeServicer:
 
             def failed(error: ServiceError) -> bytes:
                 response = v2.ModelStreamInferResponse(
-                    error_message=_public(f"[StatusCode.{STATUS_OF[type(error)]}] {error.message}"),
+                    error_message=public(f"[StatusCode.{status_of(error)}] {error.message}"),
                     infer_response=v2.ModelInferResponse(id=request_id))
                 if final:
                     response.infer_response.parameters["triton_final_response"].bool_param = True
                 data: bytes = response.SerializeToString()
                 return data
 
-            return await self._door.answer_in_stream("ModelStreamInfer", work, failed)
+            return await self._edge.answer_in_stream("ModelStreamInfer", work, failed)
 
-        async with contextlib.aclosing(self._door.stream(requests, one)) as responses:
+        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
             async for response in responses:
                 yield response
 
@@ -164,15 +148,15 @@ class KServeServicer:
     def _ready(self) -> bool:
         # attention_ready is the readiness grpc.health.v1 reports: 1 once warm, 0 from the moment a
         # shutdown starts (through the drain delay, while calls are still served).
-        return self._state.spec is not None and self._sample("attention_ready") == 1
+        return self._edge.serving.spec is not None and self._sample("attention_ready") == 1
 
     def _model_ready(self, request: Any) -> Any:
-        spec = self._state.spec
+        spec = self._edge.serving.spec
         known = spec is not None and _names(spec, request.name, request.version)
         return v2.ModelReadyResponse(ready=known and self._ready())
 
     def _served(self, name: str, version: str) -> ModelSpec:
-        spec = self._state.require_ready()
+        spec, _ = self._edge.serving.require_ready()
         if not _names(spec, name, version):
             version_text = f" version {_shown(version, quote=False)}" if version else ""
             raise NotFound(f"Request for unknown model: {_shown(name)}{version_text} is not found")
@@ -226,7 +210,7 @@ class KServeServicer:
         if request.name:
             spec = self._served(request.name, request.version)
         else:
-            spec = self._state.require_ready()
+            spec, _ = self._edge.serving.require_ready()
         stats = v2.ModelStatistics(
             name=spec.name, version=spec.version, last_inference=self._last_inference_ms,
             inference_count=int(self._sample("attention_sequences_total")),
@@ -254,13 +238,12 @@ class KServeServicer:
 
     # -- inference --------------------------------------------------------------------------------
 
-    async def _infer(self, request: Any, remaining: float) -> Any:
+    async def _infer(self, request: Any, seconds: float) -> Any:
         if len(request.id) > MAX_REQUEST_ID:
             raise InvalidInput("id", f"at most {MAX_REQUEST_ID} characters; got {len(request.id)}")
         params = _parameters(request.parameters)
         if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
-            remaining = min(remaining, timeout_us / 1e6)
-        self._door.admit(remaining)
+            seconds = min(seconds, timeout_us / 1e6)
         spec = self._served(request.model_name, request.model_version)
         inputs = _inputs(request)
         outputs = _requested(request, self._config.allow_attention)
@@ -271,7 +254,7 @@ class KServeServicer:
         lengths = _lengths(inputs, batch, T)
         plan = validate_rows([ids[i, : lengths[i]] for i in range(batch)], IDS, *_options(params, outputs),
                              spec, self._config, request_id=request.id, padded_to=T, layers_field="attention_layers")
-        done = await self._door.compute(plan.jobs, remaining)
+        done = await self._edge.compute(plan.jobs, seconds)
         self._last_inference_ms = int(time.time() * 1e3)
         return _response(request, spec, plan, done, outputs, T)
 
@@ -482,7 +465,7 @@ def _response(request: Any, spec: ModelSpec, plan: Plan, done: Sequence[Done], o
     p["padded_length"].int64_param = widest.padded_length
     p["precision"].string_param = spec.precision
     p["device"].string_param = spec.device
-    p["fp32_retry"].bool_param = any(d.output.nonfinite for d in done)
+    p["fp32_retry"].bool_param = any(d.output.fp32_rerun for d in done)
     batch, d_model = len(done), spec.d_model
     for name, datatype in outputs.items():
         if name == HIDDEN:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # 1 ms .. 10 s, roughly x2 per step (resolves p99 at both ends).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -24,7 +25,7 @@ class Metrics:
         self.registry = registry
         r = registry
         self.request_duration = Histogram(
-            "attention_request_duration_seconds", "Encode call latency, end to end in the server",
+            "attention_request_duration_seconds", "Call latency, end to end in the server (a stream: per request)",
             ["method", "code"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_duration = Histogram(
             "attention_queue_duration_seconds", "Time a sequence waited before its batch ran",
@@ -64,11 +65,14 @@ class Metrics:
         self.batches = Counter(
             "attention_batches_total", "Batches run, by width: wide (every intra-op thread) or narrow (one model "
             "worker's share, beside another worker's batch)", ["width"], registry=r)
+        self.auth_failures = Counter(
+            "attention_auth_failures_total", "Calls refused UNAUTHENTICATED, by reason (missing | invalid | scheme | "
+            "duplicate)", ["reason"], registry=r)
         self.batch_splits = Counter(
             "attention_batch_splits_total", "Batches split and retried, by reason (oom | error)", ["reason"],
             registry=r)
 
-        # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/interceptors.py).
+        # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/grpc_metrics.py).
         grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.grpc_started = Counter(
             "grpc_server_started_total", "RPCs started on the server", grpc_labels, registry=r)
@@ -78,6 +82,12 @@ class Metrics:
         self.grpc_handling = Histogram(
             "grpc_server_handling_seconds", "RPC handling time on the server", grpc_labels,
             buckets=LATENCY_BUCKETS, registry=r)
+
+    def observe_request(self, method: str, code: str, seconds: float) -> None:
+        """One call (or one request of a stream) ended with `code`: attention_requests_total and its
+        duration, together."""
+        self.requests.labels(method, code).inc()
+        self.request_duration.labels(method, code).observe(seconds)
 
     # -- BatchObserver ---------------------------------------------------------------------------
 
@@ -110,3 +120,15 @@ class Metrics:
 
     def on_split(self, reason: str) -> None:
         self.batch_splits.labels(reason).inc()
+
+
+def metric_families() -> dict[str, tuple[str, frozenset[str]]]:
+    """Every family `Metrics` exports, as exposed (counters with `_total`): name -> (type, labels). The
+    contract with dashboards and alerts, derived here once (tests/test_metrics.py pins it)."""
+    families: dict[str, tuple[str, frozenset[str]]] = {}
+    for metric in vars(Metrics(CollectorRegistry())).values():
+        if isinstance(metric, MetricWrapperBase):
+            kind = str(metric._type)  # prometheus_client keeps these private; no public accessor exists
+            name = f"{metric._name}_total" if kind == "counter" else metric._name
+            families[name] = (kind, frozenset(metric._labelnames))
+    return families

@@ -3,7 +3,8 @@ under `torch.inference_mode()`, checks every sequence's output for NaN/Inf, and 
 back into per-sequence numpy arrays with the padding stripped. Pooling runs on the device, and hidden
 states are copied back only when a sequence of the batch returns them.
 
-`execute` is called on the batcher's model thread only (the event loop never runs a forward).
+`load`, `warmup` and every batch run on the model threads only (service/batching/threads.py; the
+event loop never runs a forward). The runner is the batcher's `BatchRunner`.
 When `pipelined` (config `pipeline`: on, or auto on CUDA), the batcher calls the two halves instead:
 `launch` (collate, copy in, enqueue the forward and the copy out, record an event) and `finish`
 (wait for the event, check, split, fp32 re-run), so it can choose and collate the next batch while
@@ -11,6 +12,7 @@ the device runs this one. On CUDA host buffers are pinned and every copy is non-
 `launch` waits for the device. On CPU tensors stay where they are (no pinning, no extra copies) and
 `launch` simply runs the forward. A failure in either half is handled as in `execute` (below),
 starting from the failed whole batch: `launch` keeps its exception and `finish` splits the batch.
+This is the pipelined path's one fallback: `launch` and `finish` never raise.
 Failure handling, per batch:
 - NaN/Inf in a sequence's output under fp16/bf16: re-run those sequences in fp32 (policy `retry`)
   or fail them (`fail`) with `NonFiniteOutput`; counted either way. A non-finite output is never
@@ -129,15 +131,15 @@ class Runner:
             return outputs, time.perf_counter() - started
         return outputs, self._busy_since(started)
 
-    def launch(self, jobs: list[Job]) -> Launched:
+    def launch(self, jobs: list[Job]) -> InFlight:
         """First half of a pipelined batch: everything up to the device work, which it does not wait for."""
         started = time.perf_counter()
         try:
-            return Launched(jobs, started, self._enqueue(self._module, jobs))
+            return InFlight(jobs, started, self._enqueue(self._module, jobs))
         except Exception as exc:  # noqa: BLE001 - `finish` handles it, in the batch's turn
-            return Launched(jobs, started, None, exc)
+            return InFlight(jobs, started, None, exc)
 
-    def finish(self, launched: Launched) -> tuple[list[Output | ServiceError], float]:
+    def finish(self, launched: InFlight) -> tuple[list[Output | ServiceError], float]:
         """Second half: wait for the batch's device work, check finiteness, split, re-run in fp32.
         On a failure of either half, the synchronous path takes over (split, bisect)."""
         error = launched.error
@@ -191,7 +193,7 @@ class Runner:
     def _complete(self, jobs: list[Job], result: _Result) -> list[Output | ServiceError]:
         """Per-sequence outputs from a forward's result; non-finite rows re-run in fp32 or failed."""
         outputs: list[Output | ServiceError] = [
-            _split(job, result, row, nonfinite=False) for row, job in enumerate(jobs)
+            _split(job, result, row, fp32_rerun=False) for row, job in enumerate(jobs)
         ]
         bad = [row for row in range(len(jobs)) if not result.finite[row]]
         if not bad:
@@ -207,7 +209,7 @@ class Runner:
         result32 = self._forward(self._fp32_module, retry)
         for i, row in enumerate(bad):
             if result32.finite[i]:
-                outputs[row] = _split(retry[i], result32, i, nonfinite=True)
+                outputs[row] = _split(retry[i], result32, i, fp32_rerun=True)
             else:
                 outputs[row] = error = NonFiniteOutput()
                 log.warning("non-finite output even in fp32 (ref=%s)", error.ref)
@@ -217,7 +219,7 @@ class Runner:
         """Collate, run and wait for the batch's results on the host (`_Result`)."""
         return self._collect(self._enqueue(module, jobs))
 
-    def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Pending:
+    def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Enqueued:
         """Collate, copy in, run, check finiteness and copy out, all queued on the current CUDA stream
         without waiting for it (on CPU, done by the time it returns).
 
@@ -269,7 +271,7 @@ class Runner:
                 if layers != list(first.attn_layers):  # the order asked for
                     attention = torch.stack([attention[:, layers.index(layer)] for layer in first.attn_layers], 1)
                 attention = self._to_host(attention)
-            pending = _Pending(
+            pending = _Enqueued(
                 precision, self._to_host(hidden) if any(job.return_hidden for job in jobs) else None,
                 self._to_host(pooled) if pooled is not None else None, attention, self._to_host(finite), events,
                 time.perf_counter() - started,
@@ -284,7 +286,7 @@ class Runner:
         if not self._cuda and bool(torch.isfinite(hidden.sum())) and (
                 attention is None or bool(torch.isfinite(attention.sum()))):
             # A sum is finite only if every term is (NaN and Inf propagate), so one reduction clears the
-            # whole batch; the per-row check below costs about 20x more on CPU (0.9 ms for 16 x 128).
+            # whole batch; the per-row check below costs far more on CPU (bench/RESULTS.md).
             # Not on CUDA: branching on a device value would wait for the device in a pipelined launch.
             return torch.ones(hidden.shape[0], dtype=torch.bool)
         real = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]  # (B, T)
@@ -293,7 +295,7 @@ class Runner:
             finite &= torch.isfinite(attention).flatten(1).all(dim=1)
         return finite
 
-    def _collect(self, pending: _Pending) -> _Result:
+    def _collect(self, pending: _Enqueued) -> _Result:
         """Wait for an enqueued forward, report its time, and hand its host tensors over as numpy."""
         seconds = pending.seconds
         if pending.events is not None:
@@ -328,7 +330,7 @@ class _Result:
 
 
 @dataclass(frozen=True)
-class _Pending:
+class _Enqueued:
     """One forward queued on the device. Its host tensors hold the results once `events[1]` has fired
     (events is None on CPU, where they are complete already)."""
 
@@ -342,13 +344,17 @@ class _Pending:
 
 
 @dataclass(frozen=True)
-class Launched:
-    """A launched batch, from `Runner.launch` to `Runner.finish`."""
+class InFlight:
+    """A batch in flight, from `Runner.launch` to `Runner.finish` (the batcher's `InFlight`)."""
 
     jobs: list[Job]
     started: float
-    pending: _Pending | None  # None: launch failed
+    pending: _Enqueued | None  # None: launch failed
     error: Exception | None = None  # ... with this
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 def _timing_event() -> torch.cuda.Event:
@@ -373,8 +379,8 @@ def _pool(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.stack((mean, hidden[:, 0]), dim=1)
 
 
-def _split(job: Job, result: _Result, row: int, *, nonfinite: bool) -> Output:
-    """One row of a batch, padding stripped. numpy, not torch: indexing a tensor costs about 10x more,
+def _split(job: Job, result: _Result, row: int, *, fp32_rerun: bool) -> Output:
+    """One row of a batch, padding stripped. numpy, not torch: indexing a tensor costs far more,
     once per sequence of every batch."""
     hidden = result.hidden[row, : job.length] if job.return_hidden and result.hidden is not None else None
     pooled = None
@@ -383,4 +389,4 @@ def _split(job: Job, result: _Result, row: int, *, nonfinite: bool) -> Output:
     att = None
     if result.attention is not None:
         att = np.ascontiguousarray(result.attention[row, :, :, : job.length, : job.length])  # (L, H, T, T)
-    return Output(hidden, pooled, att, nonfinite)
+    return Output(hidden, pooled, att, fp32_rerun)

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
 
 from service.config import ServiceConfig
+from service.errors import Unauthenticated, status_of
+from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-UNAUTHENTICATED_MESSAGE = "missing or invalid credentials"
+UNAUTHENTICATED = Unauthenticated("missing or invalid credentials")  # one message for every refusal
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 REASONS = ("missing", "invalid", "scheme", "duplicate")
 
@@ -95,16 +96,15 @@ class TokenChecker:
 
 
 async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    await context.abort(grpc.StatusCode[status_of(UNAUTHENTICATED)], UNAUTHENTICATED.message)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """The outermost interceptor: an unauthenticated call is answered before any handler runs."""
 
-    def __init__(self, checker: TokenChecker, registry: CollectorRegistry) -> None:
+    def __init__(self, checker: TokenChecker, metrics: Metrics) -> None:
         self._checker = checker
-        self.failures = Counter(
-            "attention_auth_failures_total", "Calls refused UNAUTHENTICATED, by reason", ["reason"], registry=registry)
+        self.failures = metrics.auth_failures
         for reason in REASONS:
             self.failures.labels(reason)
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import signal
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +30,20 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from model.default import ensure_default_bundle
-from service.batcher import Batcher, BatchLimits
+from proto.attention.v1.wire import SERVICE_NAME
+from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
-from service.hooks import Hooks
-from service.interceptors import MetricsInterceptor
-from service.jobs import Job
+from service.edge import Edge, Serving
+from service.fault_hooks import FaultHooks
+from service.grpc_metrics import MetricsInterceptor
+from service.jobs import Job, ModelSpec
 from service.kserve import SERVICE_NAME as KSERVE_NAME
 from service.kserve import KServeServicer
 from service.metrics import Metrics
-from service.runner import Launched, Runner
+from service.runner import Runner
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
-from service.servicer import SERVICE_NAME, AttentionServicer, ServingState
+from service.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
 
@@ -59,38 +59,54 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
     ]
 
 
+def model_workers(config: ServiceConfig) -> int:
+    """How many model threads run batches (service/device.py has the defaults)."""
+    workers = config.model_workers or default_workers(config.device, config.torch_threads or default_threads())
+    if workers > 1 and is_cuda(config.device):
+        raise ValueError("model_workers > 1 is for CPUs; on cuda one worker pipelines its batches")
+    return workers
+
+
+def batch_limits(config: ServiceConfig, spec: ModelSpec) -> BatchLimits:
+    """The batcher's limits, from the config and the loaded model: computed once, before it starts."""
+    tokens = config.max_batch_tokens or default_batch_tokens(config.device)
+    if spec.max_length > tokens:
+        if config.max_batch_tokens:
+            raise ValueError(f"max_batch_tokens ({tokens}) is below the model's max_length ({spec.max_length}): "
+                             "a longest sequence could never be batched")
+        tokens = spec.max_length  # the device's default budget is for the reference model; one sequence must fit
+    return BatchLimits(
+        max_batch_tokens=tokens, max_batch_size=config.max_batch_size, max_wait_ms=config.max_wait_ms,
+        max_age_ms=config.max_age_ms, max_queue_tokens=config.max_queue_tokens,
+        max_queue_requests=config.max_queue_requests,
+    )
+
+
 class Server:
-    """Everything one serving process holds. Build with `build_server`; `start()`, then `stop()`."""
+    """Everything one serving process holds. Build with `build_server`; `start()`, then `stop()`.
+
+    The order is the dependencies' order: the model threads exist first; the runner loads and warms
+    up on the lead thread; the batch limits follow from (config, loaded model); then the batcher
+    starts with the runner, the limits and the threads, and the service reports SERVING."""
 
     def __init__(self, config: ServiceConfig, registry: CollectorRegistry) -> None:
         self.config = config
         self.metrics = Metrics(registry)
         self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
-        self.state = ServingState()
+        self.serving = Serving()
         self.health = health.aio.HealthServicer()
-        self.hooks = Hooks.from_config(config)
-        self.runner: Runner | None = None
-        self.max_batch_tokens = config.max_batch_tokens or default_batch_tokens(config.device)
-        self.workers = config.model_workers or default_workers(config.device, config.torch_threads or default_threads())
-        if self.workers > 1 and is_cuda(config.device):
-            raise ValueError("model_workers > 1 is for CPUs; on cuda one worker pipelines its batches")
-        limits = BatchLimits(
-            max_batch_tokens=self.max_batch_tokens, max_batch_size=config.max_batch_size,
-            max_wait_ms=config.max_wait_ms, max_age_ms=config.max_age_ms,
-            max_queue_tokens=config.max_queue_tokens, max_queue_requests=config.max_queue_requests,
-        )
-        self.batcher: Batcher[Job] = Batcher(self._execute, limits, observer=self.metrics,
-                                             admit_delay_s=self.hooks.after_admit, pipeline=self,
-                                             workers=self.workers, set_wide=self._set_wide)
-        self.servicer = AttentionServicer(config, self.batcher, self.state, self.metrics)
-        # The KServe v2 front door: the same admission, batcher, error table and metrics.
-        self.kserve = KServeServicer(config, self.state, self.servicer, self.metrics, self.workers)
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
+        self.hooks = FaultHooks.from_config(config)
+        self.threads = ModelThreads(model_workers(config))
+        edge = Edge(config, self.serving, self.metrics)
+        self.servicer = AttentionServicer(edge, self.metrics)
+        # The KServe v2 front door: the same edge (admission, batcher, outcome), error table and metrics.
+        self.kserve = KServeServicer(edge, self.metrics, len(self.threads))
+        doors = [SERVICE_NAME, KSERVE_NAME]
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics, doors)]
         tokens = load_tokens(config)
-        self.auth: AuthInterceptor | None = None
         if tokens:
-            self.auth = AuthInterceptor(TokenChecker(tokens), registry)
-            interceptors.insert(0, self.auth)  # outermost: nothing else runs for an unauthenticated call
+            # Outermost: nothing else runs for an unauthenticated call.
+            interceptors.insert(0, AuthInterceptor(TokenChecker(tokens), self.metrics))
         self.grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
         self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(), self.kserve.rpc_handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -124,34 +140,11 @@ class Server:
         self._httpd: Any = None
         self._startup: asyncio.Task[None] | None = None
 
-    # The batcher's model thread calls these (service/batcher.py `Pipeline`); the batcher exists before
-    # the runner is loaded, so they go through the server, with the fault hooks in place.
-
-    def _execute(self, jobs: list[Job]) -> Any:
-        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
-        self.hooks.pause("after_dequeue")
-        result = self.runner.execute(jobs)
-        self.hooks.pause("before_scatter")
-        return result
-
-    def _set_wide(self, wide: bool) -> None:
-        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
-        self.runner.set_wide(wide)
-
     @property
-    def pipelined(self) -> bool:
-        return self.runner is not None and self.runner.pipelined
-
-    def launch(self, jobs: list[Job]) -> Launched:
-        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
-        self.hooks.pause("after_dequeue")
-        return self.runner.launch(jobs)
-
-    def finish(self, launched: Launched) -> tuple[Sequence[Any], float]:
-        assert self.runner is not None, "a batch ran before the model was loaded. This is a bug."
-        result = self.runner.finish(launched)
-        self.hooks.pause("before_scatter")
-        return result
+    def batcher(self) -> Batcher[Job]:
+        """The batcher (it exists once the model is warm: after `ready()`)."""
+        assert self.serving.batcher is not None, "the batcher starts once the model is warm. This is a bug."
+        return self.serving.batcher
 
     async def start(self) -> None:
         """Listen, then load and warm the model in the background (see `ready()`)."""
@@ -164,7 +157,7 @@ class Server:
             host = self.config.metrics_host or self.config.host
             self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
             self.metrics_port = self._httpd.server_port
-        self.batcher.start()
+        self.threads.start()
         self._startup = asyncio.create_task(self._load_and_warm())
 
     async def ready(self) -> None:
@@ -174,24 +167,19 @@ class Server:
 
     async def _load_and_warm(self) -> None:
         config = self.config
-        await self.hooks.apause("before_ready")
+        await self.hooks.pause("before_ready")
         bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
-        runner = Runner(config, bundle_dir, self.metrics, self.workers)
-        # On the lead model thread, which runs every wide forward after them (Batcher.call).
-        spec = await self.batcher.call(runner.load)
-        if spec.max_length > self.max_batch_tokens:
-            if config.max_batch_tokens:
-                raise ValueError(f"max_batch_tokens ({self.max_batch_tokens}) is below the model's "
-                                 f"max_length ({spec.max_length}): a longest sequence could never be batched")
-            # The device's default budget is for the reference model; one sequence must always fit.
-            self.max_batch_tokens = spec.max_length
-            self.batcher.limits = dataclasses.replace(self.batcher.limits, max_batch_tokens=spec.max_length)
+        runner = Runner(config, bundle_dir, self.metrics, len(self.threads))
+        spec = await self.threads.call(runner.load)
+        limits = batch_limits(config, spec)
         if config.warmup:
-            await self.batcher.call(lambda: runner.warmup(self.max_batch_tokens, config.max_batch_size))
-        self.runner = runner
+            await self.threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
+        batcher: Batcher[Job] = Batcher(self.hooks.runner(runner), limits, self.threads, observer=self.metrics,
+                                        make_queue=self.hooks.queue())
+        batcher.start()
+        self.serving.batcher, self.serving.spec = batcher, spec
         self.metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
-        self.state.spec = spec
-        if not self.state.draining:
+        if not self.serving.draining:
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
             self.metrics.ready.set(1)
         log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, config.host, self.port,
@@ -210,19 +198,23 @@ class Server:
         self.metrics.ready.set(0)
         if grace > 0 and self.config.drain_delay_s > 0:
             await asyncio.sleep(self.config.drain_delay_s)
-        self.state.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
-        self.batcher.close()
+        self.serving.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
+        batcher = self.serving.batcher
+        if batcher is not None:
+            batcher.close()
         if self._startup is not None and not self._startup.done():
             self._startup.cancel()
-        await self.hooks.apause("in_shutdown")
+        await self.hooks.pause("in_shutdown")
         # The listener closes at once; accepted calls have `grace` to finish (the batcher keeps
         # running them). Just before grace ends we answer what is left ourselves, UNAVAILABLE
         # "shutting down", rather than let grpcio cancel the calls.
         stopping = asyncio.create_task(self.grpc.stop(grace))
         margin = min(0.25, grace / 5)
-        await self.batcher.drain(grace - margin)
-        # Stopping "at once" still lets a forward of a normal length end, rather than abandon it.
-        await self.batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
+        if batcher is not None:
+            await batcher.drain(grace - margin)
+            # Stopping "at once" still lets a forward of a normal length end, rather than abandon it.
+            await batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
+        self.threads.close()
         # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap grpcio's stop.
         metrics_down = asyncio.to_thread(self._httpd.shutdown) if self._httpd is not None else asyncio.sleep(0)
         await asyncio.gather(stopping, metrics_down)
@@ -273,7 +265,7 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     second.cancel()
     log.info("stopped; ledger %s", json.dumps(ledger(registry), sort_keys=True))
     for _ in range(20):  # a forward that outlived the grace gets 0.2 s more to end
-        if not server.batcher.model_thread_alive:
+        if not server.threads.alive:
             return 0
         await asyncio.sleep(0.01)
     # Finalizing the interpreter under a thread that is inside a TorchScript forward can abort the

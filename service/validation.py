@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.tensors import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
 from service.jobs import Job, ModelSpec

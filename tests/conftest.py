@@ -1,10 +1,8 @@
-"""Shared fixtures: a tiny seeded model bundle, and real servers on 127.0.0.1:0."""
+"""Shared fixtures: a tiny seeded model bundle, and real servers on 127.0.0.1:0 (helpers: tests/helpers.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +12,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from client.tensors import to_tensor
 from model.bundle import load_bundle, save_bundle
 from model.config import TINY
 from model.encoder import Encoder
-from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
-from service.config import ServiceConfig
-from service.server import Server, build_server
+from service.server import build_server
+from tests.helpers import Running, test_config
 
 
 @pytest.fixture(scope="session")
@@ -56,30 +52,6 @@ def reference_model(tiny_bundle: Path) -> Callable[..., Any]:
     return encode
 
 
-@dataclass
-class Running:
-    server: Server
-    port: int
-    channel: grpc.aio.Channel
-    stub: attention_pb2_grpc.AttentionServiceStub
-    registry: CollectorRegistry
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
-
-
-def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
-    """The tests' server config. The device is pinned to cpu (fp32), so the suite compares the same things on
-    a machine with a GPU; CUDA is what tests/test_gpu.py asks for by overriding it."""
-    base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, model=str(bundle), device="cpu",
-                         max_batch_tokens=2048, drain_grace_s=2.0)
-    return dataclasses.replace(base, **overrides)
-
-
 @pytest.fixture
 async def start_server(tiny_bundle: Path) -> AsyncIterator[Callable[..., Any]]:
     """`await start_server(**config_overrides)` -> a ready `Running`; torn down after the test."""
@@ -105,8 +77,3 @@ async def start_server(tiny_bundle: Path) -> AsyncIterator[Callable[..., Any]]:
 @pytest.fixture
 async def served(start_server: Callable[..., Any]) -> Running:
     return await start_server()
-
-
-def ids_request(*sequences: np.ndarray, **fields: Any) -> pb.EncodeRequest:
-    return pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(np.asarray(s, np.int64))) for s in sequences],
-                            **fields)

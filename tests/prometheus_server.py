@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import free_port
 
 # Never send loopback requests through an HTTP proxy from the environment (CI machines often set one).
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -52,13 +53,6 @@ def find_prometheus() -> str | None:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
-
-
-def free_port() -> int:
-    """A port that was free a moment ago (Prometheus cannot bind port 0; callers retry on a race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PrometheusServer:

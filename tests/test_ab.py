@@ -17,7 +17,7 @@ def test_ab_runs_both_variants_in_alternating_rounds(tiny_bundle: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ab", "--model", str(tiny_bundle), "--lengths", "8", "16", "--concurrency", "4",
          "--rounds", "2", "--seconds", "0.5", "--b-flag=--max-batch-size=1",
-         "--b-prelude", "import service.window as w; w.AGE_POWER = 0"],
+         "--b-prelude", "import service.batching.choice as w; w.AGE_POWER = 0"],
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for side in ("A", "B"):

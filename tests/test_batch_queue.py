@@ -1,4 +1,4 @@
-"""service/batch_queue.py: what waits for a batch, without the batcher's threads (held under its lock there)."""
+"""service/batching/queue.py: what waits for a batch, without the batcher's threads (held under its lock there)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from service.batch_queue import BatchQueue
-from service.batch_types import BatchLimits, Item, Request
+from service.batching import BatchLimits, BatchQueue, Item, Request
 from service.errors import Overloaded
+from service.fault_hooks import DelayedQueue
 
 
 def items(*lengths: int, key: str = "k", deadline: float = 100.0, at: float = 0.0) -> list[Item[int]]:
@@ -53,7 +53,7 @@ async def test_the_oldest_key_goes_first_and_max_wait_holds_a_batch_that_could_g
 
 
 async def test_admit_delay_ripens_items_before_they_can_be_chosen():
-    queue: BatchQueue[int] = BatchQueue(BatchLimits(), admit_delay_s=0.5)
+    queue: BatchQueue[int] = DelayedQueue(BatchLimits(), delay_s=0.5)  # the after_admit fault hook
     queue.admit(items(4, at=10.0))
     assert queue.choose(now=10.2) == ([], pytest.approx(0.3))
     batch, hold = queue.choose(now=10.5)

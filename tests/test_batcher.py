@@ -1,4 +1,4 @@
-"""The batcher's contract (service/batcher.py docstring), with a fake `execute` and event gates.
+"""The batcher's contract (service/batching/batcher.py docstring), with a fake `execute` and event gates.
 
 No sleeps decide a result: a `threading.Event` holds the model thread while the queue fills, so
 "what was queued while the model ran" is exact.
@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.batcher import Batcher, BatchLimits, Done, Request
+from service.batching import Batcher, BatchLimits, Done, ModelThreads, Request
+from service.batching.choice import FRESH_WEIGHT, choose_batch, choose_window
 from service.errors import DeadlineExceeded, ModelFailure, Overloaded, ServiceError, ShuttingDown
-from service.window import FRESH_WEIGHT, choose_batch, choose_window
+from tests.helpers import FunctionRunner
 
 
 class FakeModel:
@@ -46,18 +47,21 @@ def far() -> float:
 
 @pytest.fixture
 async def model_and_batcher():
-    made: list[Batcher[int]] = []
+    made: list[tuple[Batcher[int], ModelThreads]] = []
 
     def make(**limits: float) -> tuple[FakeModel, Batcher[int]]:
         model = FakeModel()
-        batcher: Batcher[int] = Batcher(model, BatchLimits(**limits))  # type: ignore[arg-type]
+        threads = ModelThreads()
+        threads.start()
+        batcher: Batcher[int] = Batcher(FunctionRunner(model), BatchLimits(**limits), threads)
         batcher.start()
-        made.append(batcher)
+        made.append((batcher, threads))
         return model, batcher
 
     yield make
-    for batcher in made:
+    for batcher, threads in made:
         await batcher.aclose()
+        threads.close()
 
 
 def req(payload: int, length: int = 10, key: object = "k") -> Request[int]:
@@ -161,10 +165,10 @@ async def test_full_queue_refuses_at_once_and_admits_all_or_nothing(model_and_ba
     batcher.submit([req(1), req(2)], far())
     with pytest.raises(Overloaded, match="queue holds 2/3"):
         batcher.submit([req(3), req(4)], far())  # 2 + 2 > 3: none of them is admitted
-    batcher.submit([req(5)], far())
+    last = batcher.submit([req(5)], far())[0]
     model.gate.set()
     await first
-    await asyncio.sleep(0.05)
+    await last.future
     assert sorted(p for b in model.batches for p in b) == [-1, 1, 2, 5]
 
 
@@ -270,8 +274,10 @@ def test_choose_window_respects_limits_and_anchor(lengths, budget, size, anchor_
 def test_every_item_gets_exactly_one_outcome(workers, ops):
     async def scenario() -> None:
         model = FakeModel()
-        batcher: Batcher[int] = Batcher(model, BatchLimits(max_batch_tokens=64, max_batch_size=4),
-                                        workers=workers, set_wide=lambda wide: None)
+        threads = ModelThreads(workers)
+        threads.start()
+        batcher: Batcher[int] = Batcher(FunctionRunner(model), BatchLimits(max_batch_tokens=64, max_batch_size=4),
+                                        threads)
         batcher.start()
         model.gate.clear()
         items = []
@@ -297,6 +303,7 @@ def test_every_item_gets_exactly_one_outcome(workers, ops):
                 if exc is None:
                     assert item.future.result().output == 2 * i
         await batcher.aclose()
+        threads.close()
 
     asyncio.run(scenario())
 
@@ -338,38 +345,38 @@ def test_choose_batch_is_fifo_for_equal_lengths():
     assert choose_batch([100] * 10, ages, limits) == [0, 1, 2]
 
 
-async def test_call_runs_on_the_model_thread_between_batches(model_and_batcher):
-    model, batcher = model_and_batcher()
-    first = await hold(model, batcher)
-    queued = batcher.submit([req(5)], far())[0]
+async def test_model_threads_run_calls_on_the_lead_in_order_and_live_on_after_one_raises():
+    threads = ModelThreads(2)
+    threads.start()
     seen: list[tuple[str, int]] = []
-    call = asyncio.ensure_future(batcher.call(lambda: seen.append((threading.current_thread().name,
-                                                                    len(model.batches))) or 42))
-    await asyncio.sleep(0.05)
-    assert not call.done()  # the model thread is busy with the held batch
-    model.gate.set()
-    assert await call == 42
-    await asyncio.gather(first, queued.future)
-    assert seen == [("model-runner", 1)]  # after the running batch, before the queued one
-    assert model.batches[1:] == [[5]]
-
-
-async def test_call_raises_what_the_function_raised_and_the_loop_lives_on(model_and_batcher):
-    model, batcher = model_and_batcher()
+    calls = [threads.call(lambda i=i: seen.append((threading.current_thread().name, i)) or i) for i in range(5)]
+    assert await asyncio.gather(*calls) == list(range(5))
+    assert seen == [("model-runner-0", i) for i in range(5)]  # the lead, in the order handed
 
     def boom() -> None:
         raise ValueError("no model here")
 
     with pytest.raises(ValueError, match="no model here"):
-        await batcher.call(boom)
+        await threads.call(boom)
+    assert await threads.call(lambda: 7) == 7
+    assert threads.alive
+    threads.close()
+    await asyncio.to_thread(lambda: [t.join(10) for t in threads._threads])
+    assert not threads.alive
+
+
+async def test_the_batcher_runs_on_the_threads_it_is_handed_and_leaves_them_when_closed(model_and_batcher):
+    model, batcher = model_and_batcher()
     assert (await batcher.submit([req(3)], far())[0].future).output == 6
+    assert batcher.running
     await batcher.aclose()
+    assert not batcher.running
     with pytest.raises(ShuttingDown):
-        await batcher.call(lambda: None)
+        batcher.submit([req(4)], far())
 
 
 async def test_a_batch_held_open_by_max_wait_runs_whole_whatever_the_ages(model_and_batcher):
-    # A late, longer item weighs little next to one that waited (service/window.py); held open for it,
+    # A late, longer item weighs little next to one that waited (service/batching/choice.py); held open for it,
     # the batch still takes both.
     model, batcher = model_and_batcher(max_wait_ms=300)
     a = batcher.submit([req(1, length=4)], far())[0]

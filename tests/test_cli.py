@@ -5,71 +5,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench.server_process import ServerProcess
 from client.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-@dataclass(frozen=True)
-class ServiceProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-    metrics_port: int
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def sequences_total(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("attention_sequences_total "):
-                    return float(line.split()[1])
-        raise AssertionError("attention_sequences_total not exported")
-
-
 @pytest.fixture(scope="module")
-def service(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    ready = tmp_path_factory.mktemp("service") / "ready.json"
-    log = ready.with_name("service.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "service", "--port", "0", "--metrics-port", "0", "--model", str(tiny_bundle),
-         "--ready-file", str(ready), "--max-batch-tokens", "2048", "--drain-grace-s", "2", "--log-level", "warning"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-    )
+def service(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = ServerProcess(tiny_bundle, "--max-batch-tokens", "2048", "--drain-grace-s", "2", "--log-level", "warning",
+                           directory=tmp_path_factory.mktemp("service"), timeout=60)
+    assert server.ports["pid"] == server.pid
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():  # bounded poll: the file appears once SERVING
-            assert process.poll() is None, f"service exited with {process.returncode}"
-            assert time.monotonic() < deadline, "service not ready within 60 s"
-            time.sleep(0.05)
-        info = json.loads(ready.read_text())
-        assert info["pid"] == process.pid
-        yield ServiceProcess(process, info["port"], info["metrics_port"])
+        yield server
+        assert server.terminate() == 0, server.output()[-2000:]
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-        finally:
-            log.close()
-    assert code == 0, ready.with_name("service.log").read_text()[-2000:]
+        server.kill()
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -89,7 +50,7 @@ def unused_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def test_encode_prints_shapes_and_a_preview(service: ServiceProcess, reference_model, capsys):
+def test_encode_prints_shapes_and_a_preview(service: ServerProcess, reference_model, capsys):
     code, out, _ = run_cli(capsys, "--target", service.target, "encode", "--ids", "5", "6", "7", "--ids", "8", "9",
                            "--pooling", "mean", "--attention", "--layers", "-1", "--heads", "mean")
     assert code == 0, out
@@ -100,7 +61,7 @@ def test_encode_prints_shapes_and_a_preview(service: ServiceProcess, reference_m
     assert "model tiny v1 on cpu (fp32)" in out
 
 
-def test_encode_writes_npy_npz_and_json(service: ServiceProcess, reference_model, capsys, tmp_path: Path):
+def test_encode_writes_npy_npz_and_json(service: ServerProcess, reference_model, capsys, tmp_path: Path):
     a, b = np.array([1, 2, 3, 4]), np.array([10, 20])
     flags = ["encode", "--target", service.target, "--ids", *map(str, a)]
     assert run_cli(capsys, *flags, "--out", str(tmp_path / "one.npy"))[0] == 0
@@ -125,7 +86,7 @@ def test_encode_writes_npy_npz_and_json(service: ServiceProcess, reference_model
     assert code == 2 and "npz" in err and not (tmp_path / "two.npy").exists()
 
 
-def test_encode_reads_json_npy_and_npz_files(service: ServiceProcess, reference_model, capsys, tmp_path: Path):
+def test_encode_reads_json_npy_and_npz_files(service: ServerProcess, reference_model, capsys, tmp_path: Path):
     seqs = [[3, 1, 4, 1, 5], [9, 2, 6]]
     (tmp_path / "in.json").write_text(json.dumps(seqs))
     np.save(tmp_path / "in.npy", np.array(seqs[0]))
@@ -140,14 +101,14 @@ def test_encode_reads_json_npy_and_npz_files(service: ServiceProcess, reference_
             np.testing.assert_allclose(output["hidden"], reference_model(np.array(ids))[0], atol=1e-5, rtol=0)
 
 
-def test_encode_errors_exit_nonzero_and_name_the_field(service: ServiceProcess, capsys, tmp_path: Path):
+def test_encode_errors_exit_nonzero_and_name_the_field(service: ServerProcess, capsys, tmp_path: Path):
     code, _, err = run_cli(capsys, "--target", service.target, "encode", "--ids", "1", "2", "1000")
     assert code == 1 and "INVALID_ARGUMENT" in err and "sequences[0].token_ids[2]" in err
     assert run_cli(capsys, "--target", service.target, "encode")[0] == 2  # no input
     assert run_cli(capsys, "--target", service.target, "encode", "--file", str(tmp_path / "missing.json"))[0] == 2
 
 
-def test_info(service: ServiceProcess, capsys):
+def test_info(service: ServerProcess, capsys):
     code, out, _ = run_cli(capsys, "info", "--target", service.target)
     assert code == 0
     fields = dict(line.split(maxsplit=1) for line in out.splitlines())
@@ -157,7 +118,7 @@ def test_info(service: ServiceProcess, capsys):
     assert code == 0 and json.loads(out)["limits"]["max_attention_bytes"] > 0
 
 
-def test_health_probe_exit_codes(service: ServiceProcess, unused_port: int):
+def test_health_probe_exit_codes(service: ServerProcess, unused_port: int):
     ok = run_module("client.health", "--target", service.target)
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")
     live = run_module("client", "--target", service.target, "health", "--service", "")
@@ -169,7 +130,7 @@ def test_health_probe_exit_codes(service: ServiceProcess, unused_port: int):
     assert len(down.stdout.strip().splitlines()) == 1
 
 
-def test_plot_writes_a_png_heatmap(service: ServiceProcess, capsys, tmp_path: Path):
+def test_plot_writes_a_png_heatmap(service: ServerProcess, capsys, tmp_path: Path):
     import matplotlib.image
 
     out = tmp_path / "attention.png"
@@ -188,8 +149,8 @@ def test_plot_writes_a_png_heatmap(service: ServiceProcess, capsys, tmp_path: Pa
     assert run_cli(capsys, "--target", service.target, "plot", "--ids", "1", "--head", "9", "--out", str(mean))[0] == 2
 
 
-def test_bench_writes_a_json_report(service: ServiceProcess, capsys, tmp_path: Path):
-    before = service.sequences_total()
+def test_bench_writes_a_json_report(service: ServerProcess, capsys, tmp_path: Path):
+    before = service.sample("attention_sequences_total")
     report_path = tmp_path / "bench.json"
     code, out, _ = run_cli(capsys, "--target", service.target, "bench", "--requests", "50", "--concurrency", "4",
                            "--lengths", "8:32", "--seed", "1", "--no-progress", "--json", str(report_path))
@@ -206,11 +167,11 @@ def test_bench_writes_a_json_report(service: ServiceProcess, capsys, tmp_path: P
     assert server["batch_size"] >= 1 and server["padded_length"] >= 8 and server["padding_ratio"] >= 1
     assert server["compute_ms"] > 0 and report["client_cpu_s"] >= 0
     assert report["lengths"] == [8, 32] and report["concurrency"] == 4
-    assert service.sequences_total() - before == 50  # no warm-up asked: every call was measured
+    assert service.sample("attention_sequences_total") - before == 50  # no warm-up asked: every call was measured
 
 
-def test_bench_over_encode_stream(service: ServiceProcess, capsys, tmp_path: Path):
-    before = service.sequences_total()
+def test_bench_over_encode_stream(service: ServerProcess, capsys, tmp_path: Path):
+    before = service.sample("attention_sequences_total")
     report_path = tmp_path / "bench.json"
     code, out, _ = run_cli(capsys, "--target", service.target, "bench", "--stream", "--requests", "60",
                            "--concurrency", "8", "--connections", "2", "--lengths", "8:32", "--no-progress",
@@ -220,11 +181,11 @@ def test_bench_over_encode_stream(service: ServiceProcess, capsys, tmp_path: Pat
     report = json.loads(report_path.read_text())
     assert report["stream"] is True and report["errors"] == {} and report["ok"] == report["sequences"] == 60
     assert report["server"]["batch_size"] >= 1 and report["latency_ms"]["p50"] > 0
-    assert service.sequences_total() - before == 60
+    assert service.sample("attention_sequences_total") - before == 60
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_bench_counts_refused_requests_by_code(service: ServiceProcess, stream: bool):
+def test_bench_counts_refused_requests_by_code(service: ServerProcess, stream: bool):
     # Nothing to return (no hidden states, no pooling, no attention): every request is INVALID_ARGUMENT,
     # an RPC status on Encode, a per-request error on EncodeStream; the stream itself lives on.
     from client.bench import run_load
@@ -234,7 +195,7 @@ def test_bench_counts_refused_requests_by_code(service: ServiceProcess, stream: 
     assert report.errors == {"INVALID_ARGUMENT": 12} and report.ok == 0 and report.requests == 12
 
 
-def test_bench_refuses_unbounded_or_oversized_runs(service: ServiceProcess, capsys):
+def test_bench_refuses_unbounded_or_oversized_runs(service: ServerProcess, capsys):
     assert run_cli(capsys, "--target", service.target, "bench", "--duration", "601")[0] == 2
     assert run_cli(capsys, "--target", service.target, "bench", "--requests", "0")[0] == 2
     assert run_cli(capsys, "--target", service.target, "bench", "--requests", "5", "--lengths", "9:3")[0] == 2

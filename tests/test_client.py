@@ -29,7 +29,7 @@ from client import (
 )
 from client.channel import channel_options, resolve_target, service_config
 from client.errors import ERROR_OF, error_for
-from tests.conftest import Running
+from tests.helpers import Running
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (1, 7, 33, 64)
@@ -314,8 +314,8 @@ def test_targets_and_channel_options():
 def test_fill_tensor_writes_in_place_what_to_tensor_builds():
     # The server fills response fields in place (service/servicer.py); a field filled twice holds
     # the second array only.
-    from client.tensors import fill_tensor, from_tensor, to_tensor
     from proto.attention.v1 import attention_pb2 as pb
+    from proto.attention.v1.wire import fill_tensor, from_tensor, to_tensor
 
     rng = np.random.default_rng(0)
     cases = [(rng.random((5, 3), dtype=np.float32), None), (rng.random(4, dtype=np.float32), pb.DTYPE_BFLOAT16),
@@ -344,11 +344,12 @@ def test_every_error_class_is_mapped_and_every_code_translates():
 def test_importable_without_torch():
     script = (
         "import sys; sys.modules['torch'] = None\n"
-        "import client, client.client, client.cli, client.bench, client.health, client.tensors\n"
+        "import client, client.client, client.cli, client.bench, client.health\n"
+        "from proto.attention.v1 import wire\n"
         "import numpy as np\n"
         "c = client.SyncEncoderClient('127.0.0.1:1'); c.close()\n"
         "client.cli.build_parser().parse_args(['encode', '--ids', '1', '2'])\n"
-        "assert client.tensors.from_tensor(client.tensors.to_tensor(np.arange(3))).tolist() == [0, 1, 2]\n"
+        "assert wire.from_tensor(wire.to_tensor(np.arange(3))).tolist() == [0, 1, 2]\n"
         "assert not any(m == 'model' or m.startswith(('model.', 'service')) for m in sys.modules), 'server code'\n"
         "print('ok')\n"
     )

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from service.metrics import metric_families
 from tests import prometheus_server as prometheus_harness
 from tests.prometheus_server import PrometheusError, is_one, prometheus_server
 
@@ -36,36 +37,13 @@ COMPOSE_VARIANTS = {
 GRPC_PORT, METRICS_PORT = 50051, 9464
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
-# The metrics contract (DESIGN.md, service/metrics.py): family -> its labels. Alerts and the dashboard may
-# use only these (plus `up`), so a renamed metric or label fails here rather than on an empty panel.
-HISTOGRAMS: dict[str, set[str]] = {
-    "attention_request_duration_seconds": {"method", "code"},
-    "attention_queue_duration_seconds": set(),
-    "attention_compute_duration_seconds": {"precision"},
-    "attention_batch_size": set(),
-    "attention_batch_tokens": set(),
-    "attention_padding_ratio": set(),
-    "grpc_server_handling_seconds": {"grpc_type", "grpc_service", "grpc_method"},
-}
-GAUGES: dict[str, set[str]] = {
-    "attention_queue_depth": set(),
-    "attention_queue_tokens": set(),
-    "attention_queue_limit_tokens": set(),
-    "attention_ready": set(),
-    "attention_model_info": {"name", "version", "device", "precision"},
-}
-COUNTERS: dict[str, set[str]] = {
-    "attention_requests_total": {"method", "code"},
-    "attention_sequences_total": set(),
-    "attention_nonfinite_outputs_total": {"precision"},
-    "attention_fp32_retries_total": set(),
-    "attention_nonfinite_inputs_total": set(),
-    "attention_failures_total": {"reason"},
-    "attention_dropped_total": {"reason"},
-    "attention_batches_total": {"width"},
-    "grpc_server_started_total": {"grpc_type", "grpc_service", "grpc_method"},
-    "grpc_server_handled_total": {"grpc_type", "grpc_service", "grpc_method", "grpc_code"},
-}
+# The metrics contract (service/metrics.py, pinned by tests/test_metrics.py): family -> its labels. Alerts and
+# the dashboard may use only these (plus `up`), so a renamed metric or label fails here rather than on an
+# empty panel.
+_FAMILIES = metric_families()
+HISTOGRAMS = {name: set(labels) for name, (kind, labels) in _FAMILIES.items() if kind == "histogram"}
+GAUGES = {name: set(labels) for name, (kind, labels) in _FAMILIES.items() if kind == "gauge"}
+COUNTERS = {name: set(labels) for name, (kind, labels) in _FAMILIES.items() if kind == "counter"}
 SERIES_LABELS: dict[str, set[str]] = {"up": set(), **GAUGES, **COUNTERS}
 for _name, _labels in HISTOGRAMS.items():
     SERIES_LABELS[f"{_name}_bucket"] = _labels | {"le"}

@@ -30,13 +30,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from client.tensors import from_tensor
 from model import faults
 from model.bundle import RELATIVE_ERROR_BOUND, load_bundle, save_bundle
 from model.config import REFERENCE, EncoderConfig
 from model.encoder import Encoder
-from tests import conftest
-from tests.conftest import ids_request
+from proto.attention.v1.wire import from_tensor
+from tests import helpers
+from tests.helpers import ids_request
 from tests.model_helpers import batch, key_mask, max_errors, rel_err, tiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -229,21 +229,21 @@ async def _real_oom_child(bundle_dir: str) -> dict[str, object]:
 
     T = OOM_CONFIG.max_length
     registry = CollectorRegistry()
-    config = conftest.test_config(Path(bundle_dir), device="cuda", precision="fp32", max_batch_size=8,
+    config = helpers.test_config(Path(bundle_dir), device="cuda", precision="fp32", max_batch_size=8,
                                   max_wait_ms=2000, max_batch_tokens=8 * T)
     server, port = build_server(config, registry)
     await server.start()
     channel = None
     try:
         await server.ready()
-        assert server.runner is not None
+        runner = server.batcher._runner  # the service's own Runner (no fault hooks armed)
         rng = np.random.default_rng(0)
         seqs = [rng.integers(0, OOM_CONFIG.vocab_size, T) for _ in range(8)]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
-        singles = [server.runner.execute([Job(x, None)])[0][0] for x in seqs]  # unsplit, one at a time
+        singles = [runner.execute([Job(x, None)])[0][0] for x in seqs]  # unsplit, one at a time
         per_sequence = torch.cuda.max_memory_reserved() - base
         torch.cuda.empty_cache()
         cap = torch.cuda.memory_reserved() + 3 * per_sequence  # 2 sequences fit, 4 do not

@@ -17,12 +17,12 @@ from tritonclient.grpc import service_pb2 as v2
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from client.tensors import from_tensor
 from model import faults
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import from_tensor
 from service.server import ledger
-from tests.conftest import Running, ids_request
-from tests.reliability_helpers import fault_state, wait_for  # noqa: F401  (fault_state: a fixture)
+from tests.helpers import Running, ids_request, wait_for
+from tests.reliability_helpers import fault_state  # noqa: F401  (a fixture)
 
 MODEL, D = "tiny", 32  # tests/conftest.py's tiny bundle: d_model 32, 4 heads, 2 layers, vocab 100
 

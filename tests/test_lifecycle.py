@@ -4,70 +4,54 @@ finish, new calls refused), exit code 0, and configuration errors."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import numpy as np
-import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from client.tensors import from_tensor
+from bench.server_process import ServerProcess
 from model import faults
 from proto.attention.v1 import attention_pb2_grpc
-from service.servicer import SERVICE_NAME
-from tests.conftest import ids_request
-
-
-def start_process(bundle: Path, tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], dict[str, int]]:
-    ready, log = tmp_path / "ready.json", tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "--port", "0", "--metrics-port", "0", "--model", str(bundle),
-             "--ready-file", str(ready), *flags],
-            cwd=Path(__file__).resolve().parents[1], stdout=out, stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise AssertionError(f"server did not become ready: {log.read_text()[-2000:]}")
-        time.sleep(0.05)
-    return proc, json.loads(ready.read_text())
+from proto.attention.v1.wire import from_tensor
+from tests.helpers import health, ids_request, wait_for
 
 
 async def test_sigterm_drains_in_flight_calls_and_exits_zero(fault_bundle: Path, tmp_path: Path):
-    proc, ports = start_process(fault_bundle, tmp_path, "--drain-delay-s", "0.5", "--drain-grace-s", "5")
+    server = ServerProcess(fault_bundle, "--drain-delay-s", "0.5", "--drain-grace-s", "5", directory=tmp_path)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['port']}") as channel:
+        async with grpc.aio.insecure_channel(server.target) as channel:
             stub = attention_pb2_grpc.AttentionServiceStub(channel)
-            health = health_pb2_grpc.HealthStub(channel)
-            ready = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
-            assert ready.status == health_pb2.HealthCheckResponse.SERVING
+            assert await health(channel) == health_pb2.HealthCheckResponse.SERVING
             in_flight = asyncio.ensure_future(stub.Encode(ids_request([faults.SLEEP, 4, 5]), timeout=30))
-            await asyncio.sleep(0.05)
-            os.kill(proc.pid, signal.SIGTERM)
-            await asyncio.sleep(0.1)
-            status = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
-            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await wait_for(lambda: server.started() == 1, 10, "the call to reach the server")
+            os.kill(server.pid, signal.SIGTERM)
+
+            async def not_serving() -> None:
+                while await health(channel) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(not_serving(), 5)  # at once, while the drain delay keeps serving
             response = await in_flight
             assert from_tensor(response.outputs[0].hidden).shape == (3, 32)
             assert np.isfinite(from_tensor(response.outputs[0].hidden)).all()
-            await asyncio.sleep(0.6)  # past the drain delay: new calls are refused
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.Encode(ids_request([1, 2]), timeout=5)
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert proc.wait(timeout=10) == 0
+
+            async def refused() -> grpc.StatusCode:  # once the drain delay has passed
+                while True:
+                    try:
+                        await stub.Encode(ids_request([1, 2]), timeout=5)
+                    except grpc.aio.AioRpcError as error:
+                        return error.code()
+                    await asyncio.sleep(0.02)
+
+            assert await asyncio.wait_for(refused(), 10) == grpc.StatusCode.UNAVAILABLE
+        assert server.proc.wait(timeout=10) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.kill()
 
 
 def test_bad_configuration_exits_2_naming_the_value():

@@ -1,4 +1,4 @@
-"""The pipelined model loop (service/batcher.py) over the runner's two halves (service/runner.py).
+"""The pipelined model loop (service/batching/batcher.py) over the runner's two halves (service/runner.py).
 
 A real Runner on the tiny TorchScript bundles and a real Batcher. On CPU, `pipeline=on` makes
 `launch` run the forward and `finish` do the rest, which drives the whole pipelined control flow:
@@ -9,11 +9,12 @@ one `submit` call (admitted under one lock), so what the model thread sees is ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,12 @@ import pytest
 import torch
 
 from model import faults
-from service.batcher import Batcher, BatchLimits, Done, Request
+from service.batching import Batcher, BatchLimits, Done, ModelThreads, Request
 from service.config import ServiceConfig
 from service.errors import DeadlineExceeded, ModelFailure, NonFiniteOutput, OutOfMemory, ShuttingDown
 from service.jobs import POOL_CLS, POOL_MEAN, Job, Output
-from service.runner import Launched, Runner
-from tests import conftest
+from service.runner import InFlight, Runner
+from tests import helpers
 
 D_MODEL = 32  # TINY
 
@@ -57,7 +58,8 @@ class Observed:
 class Spy:
     """Wraps a runner: logs launch/finish/execute (and, via `watch`, deliveries) in call order.
 
-    `finish_gate` cleared holds every finish; `fail` names launches that raise, in launch or finish."""
+    `finish_gate` cleared holds every finish; `fail` names launches whose device work fails inside the
+    runner, in its launch or its finish half."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -67,26 +69,48 @@ class Spy:
         self.finish_entered = threading.Event()
         self.fail: dict[int, str] = {}  # launch number -> "launch" | "finish"
         self._numbers = itertools.count()
+        self._launched: dict[int, int] = {}  # id(in-flight batch) -> its launch number
 
     @property
     def pipelined(self) -> bool:
         return self.runner.pipelined
 
-    def launch(self, jobs: list[Job]) -> tuple[int, Launched]:
+    def set_wide(self, wide: bool) -> None:
+        self.runner.set_wide(wide)
+
+    def launch(self, jobs: list[Job]) -> InFlight:
         n = next(self._numbers)
         self.log.append(("launch", n))
-        if self.fail.get(n) == "launch":
-            raise RuntimeError("injected failure in launch")
-        return n, self.runner.launch(jobs)
+        with self._failing("_enqueue", self.fail.get(n) == "launch"):
+            in_flight = self.runner.launch(jobs)
+        self._launched[id(in_flight)] = n
+        return in_flight
 
-    def finish(self, handle: tuple[int, Launched]) -> Any:
-        n, launched = handle
+    def finish(self, in_flight: InFlight) -> Any:
+        n = self._launched.pop(id(in_flight))
         self.log.append(("finish", n))
         self.finish_entered.set()
         assert self.finish_gate.wait(30), "the test never opened the finish gate"
-        if self.fail.get(n) == "finish":
-            raise RuntimeError("injected failure in finish")
-        return self.runner.finish(launched)
+        with self._failing("_collect", self.fail.get(n) == "finish"):
+            return self.runner.finish(in_flight)
+
+    @contextlib.contextmanager
+    def _failing(self, method: str, fail: bool) -> Iterator[None]:
+        """While inside, the runner's `method` raises once (as a device error would)."""
+        if not fail:
+            yield
+            return
+        real = getattr(self.runner, method)
+
+        def once(*args: Any) -> Any:
+            setattr(self.runner, method, real)
+            raise RuntimeError(f"injected failure in {method}")
+
+        setattr(self.runner, method, once)
+        try:
+            yield
+        finally:
+            setattr(self.runner, method, real)
 
     def execute(self, jobs: list[Job]) -> Any:
         self.log.append(("execute", next(self._numbers)))
@@ -116,7 +140,7 @@ class Spy:
 
 def make_runner(bundle: Path, **overrides: Any) -> Runner:
     """A loaded runner, on the CPU unless told (also where CUDA is available)."""
-    runner = Runner(conftest.test_config(bundle, **{"device": "cpu", **overrides}), str(bundle), Observed())
+    runner = Runner(helpers.test_config(bundle, **{"device": "cpu", **overrides}), str(bundle), Observed())
     runner.load()
     return runner
 
@@ -127,20 +151,23 @@ def observed(runner: Runner) -> Observed:
 
 @pytest.fixture
 async def make_batcher():
-    made: list[Batcher[Job]] = []
+    made: list[tuple[Batcher[Job], ModelThreads]] = []
 
     def make(runner: Runner | Spy, **limits: float) -> Batcher[Job]:
         merged: dict[str, Any] = {"max_batch_tokens": 256, "max_age_ms": 1e6, **limits}
-        batcher: Batcher[Job] = Batcher(runner.execute, BatchLimits(**merged), pipeline=runner)
+        threads = ModelThreads()
+        threads.start()
+        batcher: Batcher[Job] = Batcher(runner, BatchLimits(**merged), threads)
         if isinstance(runner, Spy):
             runner.watch(batcher)
         batcher.start()
-        made.append(batcher)
+        made.append((batcher, threads))
         return batcher
 
     yield make
-    for batcher in made:
+    for batcher, threads in made:
         await batcher.aclose(join_timeout=10)
+        threads.close()
 
 
 def ids_job(ids: Any, **fields: Any) -> Job:
@@ -186,7 +213,7 @@ def assert_same_output(a: Output, b: Output) -> None:
         assert (x is None) == (y is None), name
         if x is not None:
             np.testing.assert_array_equal(x, y, err_msg=name)
-    assert a.nonfinite == b.nonfinite
+    assert a.fp32_rerun == b.fp32_rerun
 
 
 def test_pipeline_setting(tiny_bundle: Path) -> None:
@@ -293,16 +320,16 @@ async def test_a_fault_in_a_pipelined_batch_hits_only_the_bad_sequence(fault_bun
         else:
             assert isinstance(outcome, Done), (i, outcome)
             np.testing.assert_allclose(outcome.output.hidden, reference_model(ids)[0], atol=1e-5, rtol=0)
-    # Each batch failed in launch; its finish took the synchronous path from there (no fallback to
-    # execute, no second try of the whole batch): split in halves down to the bad sequence.
-    assert [event for event, _ in spy.log] == ["launch", "launch", "finish", "deliver", "launch", "finish", "deliver",
-                                               "finish", "deliver"], spy.log
+    # Each batch failed in launch, so nothing more was launched before it was finished; its finish took
+    # the synchronous path from there (no second try of the whole batch): halves down to the bad sequence.
+    assert [event for event, _ in spy.log] == ["launch", "finish", "deliver"] * 3, spy.log
     # Halves of 8, 4 and 2 for each bad batch: error (RAISE); oom (OOM_IF_BATCH_GT_1; OOM).
     assert sorted(observed(spy.runner).splits) == ["error"] * 3 + ["oom"] * 6, observed(spy.runner).splits
 
 
 @pytest.mark.parametrize("where", ["launch", "finish"])
-async def test_a_pipeline_that_raises_falls_back_to_execute(tiny_bundle, reference_model, make_batcher, where):
+async def test_a_failed_half_of_a_pipelined_batch_is_answered_through_the_synchronous_path(
+        tiny_bundle, reference_model, make_batcher, where):
     rng = np.random.default_rng(3)
     seqs = [rng.integers(0, 90, 16) for _ in range(24)]  # three batches of 8
     spy = Spy(make_runner(tiny_bundle, pipeline="on"))
@@ -312,10 +339,12 @@ async def test_a_pipeline_that_raises_falls_back_to_execute(tiny_bundle, referen
         assert isinstance(outcome, Done), repr(outcome)
         np.testing.assert_allclose(outcome.output.hidden, reference_model(ids)[0], atol=1e-5, rtol=0)
     events = [event for event, _ in spy.log]
-    if where == "launch":  # nothing else is launched before the failed batch has run through execute
-        assert events[:4] == ["launch", "execute", "deliver", "launch"], events
-    else:  # the next batch was launched already; the failed one runs through execute in its turn
-        assert events[:5] == ["launch", "launch", "finish", "execute", "deliver"], events
+    if where == "launch":  # nothing else is launched before the failed batch has been finished
+        assert events[:4] == ["launch", "finish", "deliver", "launch"], events
+    else:  # the next batch was launched already; the failed one is split in its turn
+        assert events[:4] == ["launch", "launch", "finish", "deliver"], events
+    assert "execute" not in events  # one fallback, in the runner
+    assert observed(spy.runner).splits[:1] == ["error"]
 
 
 async def test_nonfinite_rows_of_a_pipelined_batch_are_rerun_in_fp32(fault_bundle, reference_model, make_batcher):
@@ -325,10 +354,10 @@ async def test_nonfinite_rows_of_a_pipelined_batch_are_rerun_in_fp32(fault_bundl
     spy = Spy(make_runner(fault_bundle, pipeline="on", precision="bf16"))
     outcomes = await run_all(make_batcher(spy), [ids_job(s) for s in seqs])
     assert isinstance(outcomes[5], NonFiniteOutput)
-    assert outcomes[3].output.nonfinite  # the fp32 re-run's result
+    assert outcomes[3].output.fp32_rerun  # the fp32 re-run's result
     np.testing.assert_allclose(outcomes[3].output.hidden, reference_model(seqs[3])[0], atol=1e-5, rtol=0)
     for i in (0, 1, 2, 4, 6, 7):
-        assert not outcomes[i].output.nonfinite and np.isfinite(outcomes[i].output.hidden).all()
+        assert not outcomes[i].output.fp32_rerun and np.isfinite(outcomes[i].output.hidden).all()
     assert (observed(spy.runner).nonfinite, observed(spy.runner).retries) == (2, 2)
     assert [event for event, _ in spy.log] == ["launch", "finish", "deliver"]  # no fallback needed
 
@@ -353,11 +382,8 @@ async def test_shutdown_with_two_batches_in_flight_answers_everything(tiny_bundl
     aborted = [o for o in outcomes if isinstance(o, ShuttingDown) and "aborted" in str(o)]
     assert len(queued) == 8
     assert (len(done), len(aborted)) == ((16, 0) if join_timeout is None else (0, 16))
-    for _ in range(1000):  # the abandoned thread ends once its batches are done
-        if not batcher.model_thread_alive:
-            break
-        await asyncio.sleep(0.01)
-    assert not batcher.model_thread_alive and batcher.idle
+    await helpers.wait_for(lambda: not batcher.running, 10, "the abandoned loop to end once its batches are done")
+    assert batcher.idle
     assert sum(event == "launch" for event, _ in spy.log) == 2  # nothing launched after aclose
 
 

@@ -2,7 +2,7 @@
 cancellation in every race window, health under saturation, and port co-binding.
 
 Real servers on 127.0.0.1:0 serving model/faults.py's fault-injecting model; delays come from the
-service's own fault hooks (service/hooks.py), never from sleeps that decide a result.
+service's own fault hooks (service/fault_hooks.py), never from sleeps that decide a result.
 """
 
 from __future__ import annotations
@@ -24,25 +24,21 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
-from client.tensors import from_tensor
 from model import faults
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import SERVICE_NAME, from_tensor
 from service.config import ServiceConfig
-from service.hooks import Hooks
+from service.fault_hooks import FaultHooks
 from service.server import build_server, serve
-from service.servicer import SERVICE_NAME
-from tests import conftest
-from tests.conftest import Running, ids_request
+from tests import helpers
+from tests.helpers import Running, details_of, health, ids_request, wait_for
 from tests.reliability_helpers import (
     REPO,
     Admissions,
     assert_clean_status,
     assert_ledger_balanced,
     batches,
-    details_of,
     fault_state,  # noqa: F401  (a fixture, used by name)
-    health,
-    wait_for,
 )
 
 Code = grpc.StatusCode
@@ -191,7 +187,7 @@ async def test_cancel_in_each_race_window_is_counted_once_and_answered_at_once(s
     else:
         await wait_for(lambda: batches(s) == 1, what="batched")
         stopping = asyncio.ensure_future(s.server.stop(10))
-        await wait_for(lambda: s.server.state.draining, what="draining")
+        await wait_for(lambda: s.server.serving.draining, what="draining")
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
@@ -228,7 +224,7 @@ async def test_deadline_during_execution_fails_only_that_call(start_server, faul
 
 
 async def test_binding_a_port_in_use_fails_instead_of_sharing_it(served: Running, tiny_bundle: Path, caplog):
-    taken = conftest.test_config(tiny_bundle, port=served.port)
+    taken = helpers.test_config(tiny_bundle, port=served.port)
     with pytest.raises(RuntimeError, match="Failed to bind"):
         build_server(taken, CollectorRegistry())
     assert await serve(taken, CollectorRegistry()) == 1  # the process exits non-zero
@@ -374,8 +370,8 @@ def test_fault_hooks_are_refused_unless_allowed():
         ServiceConfig.from_args([], env={"ATTN_FAULT_DELAY_BEFORE_SCATTER_MS": "5"})
     allowed = ServiceConfig.from_args(
         [], env={"ATTN_FAULT_DELAY_BEFORE_SCATTER_MS": "5", "ATTN_ALLOW_FAULT_HOOKS": "1"})
-    assert Hooks.from_config(allowed).armed == {"before_scatter": 0.005}
-    assert Hooks.from_config(ServiceConfig()).armed == {}  # off by default: production pays nothing
+    assert FaultHooks.from_config(allowed).armed == {"before_scatter": 0.005}
+    assert FaultHooks.from_config(ServiceConfig()).armed == {}  # off by default: production pays nothing
 
 
 def test_the_process_refuses_to_start_with_hooks_not_allowed(tmp_path: Path):

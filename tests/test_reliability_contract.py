@@ -28,18 +28,15 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc
 from model import faults
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
-from service.servicer import SERVICE_NAME
-from tests.conftest import Running, ids_request
+from proto.attention.v1.wire import SERVICE_NAME
+from tests.helpers import Running, details_of, health, ids_request, wait_for
 from tests.reliability_helpers import (
     Admissions,
     assert_clean_status,
     assert_ledger_balanced,
     batches,
-    details_of,
     fault_state,  # noqa: F401  (a fixture, used by name)
-    health,
     no_messages,
-    wait_for,
 )
 
 Code = grpc.StatusCode
@@ -139,7 +136,7 @@ async def while_warming_up(s: Running) -> Outcome:
 
 async def while_shutting_down(s: Running) -> Outcome:
     stopping = asyncio.ensure_future(s.server.stop(5))
-    await wait_for(lambda: s.server.state.draining, what="draining")
+    await wait_for(lambda: s.server.serving.draining, what="draining")
     result = await encode([1, 2])(s)  # the in_shutdown hook holds the listener open meanwhile
     await stopping
     return result
@@ -301,14 +298,14 @@ async def test_situation_table(row: Row, start_server, fault_bundle: Path, caplo
         if "ref=" in error.details():  # the reference id is in the server log, next to the traceback
             ref = error.details().split("ref=")[1].rstrip(")")
             assert any(ref in r.getMessage() for r in caplog.records), ref
-    if not s.server.state.draining:
+    if not s.server.serving.draining:
         await assert_ledger_balanced(s)
     after = s.sample(name, labels) if labels else sum_all(s, name)
     assert after - before == row.delta, (name, labels, before, after)
     assert batches(s) == row.batches
     assert s.sample("grpc_server_handled_total", {"grpc_type": "unary", "grpc_service": SERVICE_NAME,
                                                   "grpc_method": "Encode", "grpc_code": "UNKNOWN"}) == 0
-    if not s.server.state.draining:
+    if not s.server.serving.draining:
         assert await health(s.channel) == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -333,6 +330,17 @@ async def test_no_deadline_is_served_not_treated_as_zero(start_server, fault_bun
     s = await start_server(bundle=fault_bundle, min_deadline_ms=100)
     response = await s.stub.Encode(ids_request([1, 2, 3]))
     assert len(response.outputs) == 1
+
+
+async def test_a_callers_deadline_longer_than_the_default_is_honoured(start_server, tiny_bundle):
+    """default_timeout_s is for calls that carry no deadline; a caller that sets a longer one gets it
+    (issue 16 item 8: it used to cap every call)."""
+    s = await start_server(bundle=tiny_bundle, **HOOKS, default_timeout_s=0.3, fault_delay_after_dequeue_ms=800)
+    response = await s.stub.Encode(ids_request([1, 2, 3]), timeout=20)  # the forward starts 0.8 s in
+    assert len(response.outputs) == 1 and response.metadata.batch_size == 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # no deadline: the default's 0.3 s apply
+        await s.stub.Encode(ids_request([1, 2, 3]))
+    assert info.value.code() == Code.DEADLINE_EXCEEDED
 
 
 async def test_model_error_and_oom_leave_the_loop_queue_and_health_alive(start_server, fault_bundle):

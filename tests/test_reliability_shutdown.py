@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
-from client.tensors import from_tensor
+from bench.server_process import ServerProcess
 from model import faults
 from proto.attention.v1 import attention_pb2_grpc
-from tests.conftest import ids_request
-from tests.reliability_helpers import ServerProcess, assert_clean_status, health, start_process, wait_for
+from proto.attention.v1.wire import from_tensor
+from tests.helpers import health, ids_request, wait_for
+from tests.reliability_helpers import assert_clean_status
 
 Code = grpc.StatusCode
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -60,8 +61,8 @@ async def not_serving_after_sigterm(server: ServerProcess, probe: grpc.aio.Chann
 async def test_sigterm_under_load_answers_every_call_and_exits_zero_in_time(fault_bundle: Path, tmp_path: Path,
                                                                            reference_model):
     grace = 3.0
-    server = start_process(fault_bundle, tmp_path, "--drain-grace-s", str(grace), "--max-batch-size", "4",
-                           "--health-port", "0", "--log-level", "info")
+    server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--max-batch-size", "4",
+                           "--health-port", "0", "--log-level", "info", directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
@@ -117,7 +118,7 @@ async def test_a_call_longer_than_grace_is_answered_and_exit_is_still_on_time(fa
     """S-02: the model hangs (30 s) past a 1 s grace: the caller gets UNAVAILABLE "shutting down"
     before the grace ends and the process exits 0 by grace + 1 s anyway."""
     grace = 1.0
-    server = start_process(fault_bundle, tmp_path, "--drain-grace-s", str(grace), "--health-port", "0")
+    server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--health-port", "0", directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
@@ -145,7 +146,7 @@ async def test_a_call_longer_than_grace_is_answered_and_exit_is_still_on_time(fa
 
 async def test_a_second_signal_stops_at_once(fault_bundle: Path, tmp_path: Path):
     """S-03: during a long drain (10 s grace, a hung model) a second SIGTERM exits promptly, cleanly."""
-    server = start_process(fault_bundle, tmp_path, "--drain-grace-s", "10", "--health-port", "0")
+    server = ServerProcess(fault_bundle, "--drain-grace-s", "10", "--health-port", "0", directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:

@@ -22,18 +22,17 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from client.tensors import from_tensor
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
+from proto.attention.v1.wire import SERVICE_NAME, from_tensor
 from service import security
 from service.config import ServiceConfig, build_parser
-from service.security import UNAUTHENTICATED_MESSAGE, TokenChecker
+from service.security import UNAUTHENTICATED, TokenChecker
 from service.server import build_server
-from service.servicer import SERVICE_NAME
-from tests import conftest
+from tests import helpers
 from tests.certs import Pki, make_pki
-from tests.conftest import Running, ids_request
-from tests.reliability_helpers import assert_clean_status, batches, health, no_messages
+from tests.helpers import Running, health, ids_request
+from tests.reliability_helpers import assert_clean_status, batches, no_messages
 
 Code = grpc.StatusCode
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -146,7 +145,7 @@ async def test_bad_credentials_get_one_identical_answer_and_no_work(start_server
                 await stub.Encode(ids_request([1, 2]), metadata=metadata, timeout=10)
             latencies.append(time.monotonic() - started)
             assert info.value.code() == Code.UNAUTHENTICATED
-            assert info.value.details() == UNAUTHENTICATED_MESSAGE  # the same whatever was wrong
+            assert info.value.details() == UNAUTHENTICATED.message  # the same whatever was wrong
             assert_clean_status(info.value, secrets=("tok-",))
     assert handlers_run(s) == 0 and batches(s) == 0  # refused before any handler ran
     assert s.sample("attention_requests_total", {"method": "Encode", "code": "UNAUTHENTICATED"}) == 0
@@ -183,7 +182,7 @@ async def test_every_method_but_health_needs_a_token(start_server):
                  lambda: s.channel.unary_unary(f"/{SERVICE_NAME}/NoSuchMethod")(b"", timeout=10)):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call()
-        assert info.value.code() == Code.UNAUTHENTICATED and info.value.details() == UNAUTHENTICATED_MESSAGE
+        assert info.value.code() == Code.UNAUTHENTICATED and info.value.details() == UNAUTHENTICATED.message
     assert await health(s.channel) == SERVING  # probes need no token
 
 
@@ -225,7 +224,7 @@ async def test_tokens_from_a_file_and_the_environment(start_server, tmp_path: Pa
     empty = tmp_path / "empty"
     empty.write_text("# nothing yet\n")
     with pytest.raises(ValueError, match="holds no tokens"):  # fail closed, not open
-        build_server(conftest.test_config(Path(s.server.config.model), auth_tokens_file=str(empty)),
+        build_server(helpers.test_config(Path(s.server.config.model), auth_tokens_file=str(empty)),
                      CollectorRegistry())
 
 

@@ -8,37 +8,15 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-from google.rpc import error_details_pb2, status_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client.tensors import from_tensor, to_tensor
 from model import faults
 from proto.attention.v1 import attention_pb2 as pb
-from service.servicer import SERVICE_NAME
-from tests import conftest
-from tests.conftest import Running, ids_request
-from tests.reliability_helpers import wait_for
-
-
-def rich_status(error: grpc.aio.AioRpcError) -> status_pb2.Status:
-    for key, value in error.trailing_metadata() or ():
-        if key == "grpc-status-details-bin":
-            return status_pb2.Status.FromString(value)
-    raise AssertionError(f"no status details in {error!r}")
-
-
-def violated_field(error: grpc.aio.AioRpcError) -> str:
-    for detail in rich_status(error).details:
-        bad = error_details_pb2.BadRequest()
-        if detail.Unpack(bad):
-            return bad.field_violations[0].field
-    raise AssertionError("no BadRequest detail")
-
-
-async def health_status(channel: grpc.aio.Channel, service: str) -> int:
-    stub = health_pb2_grpc.HealthStub(channel)
-    return (await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+from proto.attention.v1.wire import SERVICE_NAME, from_tensor, to_tensor
+from tests import helpers
+from tests.helpers import Running, details_of, health, ids_request, violated_field, wait_for
 
 
 async def test_outputs_equal_direct_model_calls_for_many_concurrent_callers(served: Running, reference_model):
@@ -156,7 +134,7 @@ async def test_full_queue_is_resource_exhausted_at_once_with_retry_advice(start_
         await s.stub.Encode(ids_request([1], [2], [3]), timeout=10)
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     retry = error_details_pb2.RetryInfo()
-    assert any(d.Unpack(retry) for d in rich_status(info.value).details)
+    assert any(d.Unpack(retry) for d in details_of(info.value))
     assert retry.retry_delay.ToNanoseconds() > 0
     assert s.sample("attention_failures_total", {"reason": "queue_full"}) == 1
     ok = await s.stub.Encode(ids_request([1], [2]), timeout=10)  # within the bound: served
@@ -166,12 +144,13 @@ async def test_full_queue_is_resource_exhausted_at_once_with_retry_advice(start_
 async def test_expired_deadline_is_never_computed(start_server, fault_bundle):
     s = await start_server(bundle=fault_bundle)
     holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.SLEEP]), timeout=30))
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: s.sample("attention_batch_size_count") == 1, 10, "the holder's batch to start")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await s.stub.Encode(ids_request([5, 6, 7]), timeout=0.05)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await holder
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
+        "attention_dropped_total", {"reason": "deadline"}) == 1, 10, "the expired call to be dropped")
     assert s.sample("attention_batch_size_count") == 1  # only the holder's batch ran
     assert s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
         "attention_dropped_total", {"reason": "deadline"}) == 1
@@ -181,14 +160,15 @@ async def test_expired_deadline_is_never_computed(start_server, fault_bundle):
 async def test_cancelled_call_is_dropped_before_compute(start_server, fault_bundle):
     s = await start_server(bundle=fault_bundle)
     holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.SLEEP]), timeout=30))
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: s.sample("attention_batch_size_count") == 1, 10, "the holder's batch to start")
     call = s.stub.Encode(ids_request([5, 6, 7]), timeout=30)
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: s.sample("attention_queue_depth") == 1, 10, "the call to be queued")
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     await holder
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) == 1, 10,
+                   "the cancelled call to be dropped")
     assert s.sample("attention_batch_size_count") == 1
     assert s.sample("attention_dropped_total", {"reason": "cancelled"}) == 1
 
@@ -262,8 +242,8 @@ async def test_model_info_health_and_reflection(served: Running):
     assert (info.name, info.d_model, info.n_heads, info.n_layers, info.vocab_size, info.max_length) == (
         "tiny", 32, 4, 2, 100, 64)
     assert info.limits.max_sequences_per_call == 64 and len(info.checksum) == 64
-    assert await health_status(served.channel, "") == health_pb2.HealthCheckResponse.SERVING
-    assert await health_status(served.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+    assert await health(served.channel, "") == health_pb2.HealthCheckResponse.SERVING
+    assert await health(served.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     stub = reflection_pb2_grpc.ServerReflectionStub(served.channel)
 
     async def ask():
@@ -278,13 +258,13 @@ async def test_not_serving_until_warm_then_serving(start_server, tmp_path):
     # The built-in default model (REFERENCE, built from its seed on first use) takes seconds to build
     # and warm: long enough to see the service refuse work meanwhile.
     s = await start_server(wait_ready=False, model="", cache_dir=str(tmp_path), max_batch_tokens=1024)
-    assert await health_status(s.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert await health_status(s.channel, "") == health_pb2.HealthCheckResponse.SERVING  # alive
+    assert await health(s.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await health(s.channel, "") == health_pb2.HealthCheckResponse.SERVING  # alive
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await s.stub.Encode(ids_request([1, 2]), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     await asyncio.wait_for(s.server.ready(), 120)
-    assert await health_status(s.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
+    assert await health(s.channel, SERVICE_NAME) == health_pb2.HealthCheckResponse.SERVING
     info_ = await s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info_.name, info_.d_model, info_.n_layers, info_.max_length) == ("attention-reference", 256, 4, 512)
 
@@ -343,4 +323,4 @@ def test_model_workers_are_refused_on_cuda(tiny_bundle):
     from service.server import build_server
 
     with pytest.raises(ValueError, match="model_workers > 1 is for CPUs"):
-        build_server(conftest.test_config(tiny_bundle, device="cuda", model_workers=2), CollectorRegistry())
+        build_server(helpers.test_config(tiny_bundle, device="cuda", model_workers=2), CollectorRegistry())

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from model import faults
-from service.servicer import SERVICE_NAME
-from tests.conftest import Running, ids_request
+from proto.attention.v1.wire import SERVICE_NAME
+from tests.helpers import Running, ids_request
 from tests.reliability_helpers import (
     Admissions,
     assert_ledger_balanced,

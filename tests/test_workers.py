@@ -1,5 +1,5 @@
-"""Several model workers (service/batcher.py docstring, "Workers"): a batch that runs alone is wide and
-runs on the lead; a backlog runs narrow batches side by side; only the lead runs `call()`s.
+"""Several model workers (service/batching/batcher.py docstring, "Workers"): a batch that runs alone is
+wide and runs on the lead; a backlog runs narrow batches side by side; only the lead runs setup calls.
 
 A fake `execute` with a gate holds the model threads, so what runs at once is exact, not timed.
 """
@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 import pytest
 
-from service.batcher import Batcher, BatchLimits, Request
+from service.batching import Batcher, BatchLimits, ModelThreads, Request
 from service.errors import ShuttingDown
+from tests.helpers import FunctionRunner, wait_for
 
 
 class TwoLaneModel:
@@ -72,21 +73,23 @@ class Widths:
 
 @pytest.fixture
 async def two_workers():
-    made: list[Batcher[int]] = []
+    made: list[tuple[Batcher[int], ModelThreads]] = []
 
     def make(clock: Callable[[], float] = time.monotonic, **limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
         model = TwoLaneModel()
         model.widths = Widths()  # type: ignore[attr-defined]
-        batcher: Batcher[int] = Batcher(model, BatchLimits(**limits), workers=2,  # type: ignore[arg-type]
-                                        set_wide=model.set_wide, observer=model.widths,  # type: ignore[attr-defined]
-                                        clock=clock)
+        threads = ModelThreads(2)
+        threads.start()
+        batcher: Batcher[int] = Batcher(FunctionRunner(model, model.set_wide), BatchLimits(**limits), threads,
+                                        observer=model.widths, clock=clock)  # type: ignore[attr-defined]
         batcher.start()
-        made.append(batcher)
+        made.append((batcher, threads))
         return model, batcher
 
     yield make
-    for batcher in made:
+    for batcher, threads in made:
         await batcher.aclose(join_timeout=10)
+        threads.close()
 
 
 def req(payload: int, length: int = 10) -> Request[int]:
@@ -127,12 +130,12 @@ async def test_a_backlog_runs_narrow_batches_side_by_side(two_workers):
     assert model.widths.reported[:2] == [False, False]
 
 
-async def test_only_the_lead_runs_calls_and_a_follower_needs_set_wide(two_workers):
-    model, batcher = two_workers()
-    names = [await batcher.call(lambda: threading.current_thread().name) for _ in range(5)]
+async def test_only_the_lead_runs_setup_calls():
+    threads = ModelThreads(2)
+    threads.start()
+    names = [await threads.call(lambda: threading.current_thread().name) for _ in range(5)]
+    threads.close()
     assert names == ["model-runner-0"] * 5
-    with pytest.raises(ValueError, match="set_wide"):
-        Batcher(model, BatchLimits(), workers=2)  # type: ignore[arg-type]
 
 
 async def test_aclose_fails_both_running_batches_when_their_forwards_hang(two_workers):
@@ -143,11 +146,7 @@ async def test_aclose_fails_both_running_batches_when_their_forwards_hang(two_wo
     outcomes = await asyncio.gather(*(item.future for item in items), return_exceptions=True)
     assert all(isinstance(o, ShuttingDown) for o in outcomes), outcomes
     model.gate.set()  # the abandoned threads end; their late results are ignored
-    for _ in range(200):
-        if not batcher.model_thread_alive:
-            break
-        await asyncio.sleep(0.01)
-    assert not batcher.model_thread_alive
+    await wait_for(lambda: not batcher.running, 2, "the abandoned loops to end")
 
 
 async def test_one_caller_in_turn_always_runs_wide_on_the_lead(two_workers):
@@ -169,7 +168,8 @@ async def test_one_caller_in_turn_never_wakes_the_follower(two_workers):
 
     model, batcher = two_workers(clock=clock)
     model.gate.set()
-    await batcher.call(lambda: None)  # both threads have started and are waiting
+    await wait_for(lambda: looks["model-runner-0"] and looks["model-runner-1"], 10,
+                   "both threads to look at the (empty) queue")  # both have started and are waiting
     before = looks["model-runner-1"]
     for i in range(30):
         assert (await batcher.submit([req(i)], far())[0].future).output == 2 * i

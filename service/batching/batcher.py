@@ -11,80 +11,75 @@ The contract (held by tests/test_batcher.py):
   chosen at the moment the model frees, so it holds everything that arrived during the previous
   forward (continuous batching: no fixed wait when idle). Decoding and validation happen on the
   event loop while the model runs. `max_wait_ms` > 0 may hold a not-full batch open to grow it.
-- Pipelined (a `pipeline` whose `pipelined` is true, e.g. the runner on a GPU): the model thread
-  `launch`es a batch, then, if another is ready at once (it never waits for arrivals), chooses and
-  launches that one before it `finish`es and delivers the first, so choosing and collating batch
-  N+1 overlaps batch N's device work. At most two batches are in flight; with nothing ready it
-  finishes N first. Not pipelined, the loop is exactly the one above. A failed phase falls back to
-  `execute` (service/two_phase.py).
-- Workers (`workers` > 1, for CPUs; never pipelined): that many model threads run batches side by
-  side, each with its share of the cores. Worker 0 leads: it runs `call()`s, and a batch that
-  starts while no other runs and leaves nothing queued is wide, run alone with every core
+- Pipelined (a runner whose `pipelined` is true, e.g. on a GPU): the model thread `launch`es a
+  batch, then, if another is ready at once (it never waits for arrivals), chooses and launches that
+  one before it `finish`es and delivers the first, so choosing and collating batch N+1 overlaps
+  batch N's device work. At most two batches are in flight; with nothing ready it finishes N first;
+  after a failed launch nothing more is launched until that batch is finished (the runner handles
+  a failed half, service/runner.py). Not pipelined, the loop is exactly the one above.
+- Workers (more than one model thread, for CPUs; never pipelined): that many model threads run
+  batches side by side, each with its share of the cores. Thread 0 leads (batching/threads.py): a
+  batch that starts while no other runs and leaves nothing queued is wide, run alone with every core
   (`set_wide(True)` on its thread first), so a lone request is as fast as with one worker. Every
   other batch is narrow (`set_wide(False)`); the other workers take only those, and none starts
   while a wide one runs. Two narrow forwards side by side share no OpenMP barrier, so one that the
   event loop preempts does not stall the other (bench/RESULTS.md).
 - What a batch holds (one computation key, the size and token bounds, similar lengths, the age
-  bound that keeps any item from starving): service/batch_queue.py.
+  bound that keeps any item from starving): batching/queue.py and batching/choice.py.
 - Items whose deadline has passed or whose caller cancelled are dropped before they are computed
   (counted by reason: `deadline`, `cancelled`, `shutting_down`).
 - `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch(es) finish;
   with `join_timeout`, batches still running after that long are failed with `ShuttingDown` too,
   so a caller waiting on a stuck model still gets an answer.
-- `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError` per item, and
-  the forward's wall time. An exception from it fails only that batch's items (as `ModelFailure`),
-  and the loop lives on.
+- The runner's `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError`
+  per item, and the forward's time. An exception from it fails only that batch's items (as
+  `ModelFailure`), and the loop lives on.
 
-It imports neither grpc nor torch: `execute` and `pipeline` are injected (service/runner.py). The
-queue itself (per-key FIFOs, the bounds, expiry, the choice of a batch) is service/batch_queue.py,
-used under this class's lock; this class is the threads around it.
+The batcher is handed a loaded, warm runner (`BatchRunner`, service/runner.py), its limits and the
+model threads it runs on (batching/threads.py); it imports neither grpc nor torch. The queue itself
+(per-key FIFOs, the bounds, expiry, the choice of a batch) is batching/queue.py, used under this
+class's lock; this class is the loops around it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
-from service.batch_queue import BatchQueue
-from service.batch_types import BatchLimits, BatchObserver, Done, Item, NullObserver, Pipeline, Request
-from service.errors import DeadlineExceeded, ModelFailure, ServiceError, ShuttingDown
-from service.two_phase import Flight, TwoPhase
+from service.batching.queue import BatchQueue
+from service.batching.threads import ModelThreads
+from service.batching.types import BatchLimits, BatchObserver, BatchRunner, Done, InFlight, Item, NullObserver, Request
+from service.errors import DeadlineExceeded, ModelFailure, ShuttingDown
 
 log = logging.getLogger(__name__)
 
 P = TypeVar("P")
-T = TypeVar("T")
 
 
 class Batcher(Generic[P]):
-    """Queues sequences from many calls and feeds them, batched, to `execute` on one model thread."""
+    """Queues sequences from many calls and feeds them, batched, to the runner on the model threads."""
 
     def __init__(
         self,
-        execute: Callable[[list[P]], tuple[Sequence[Any], float]],
+        runner: BatchRunner[P],
         limits: BatchLimits,
+        threads: ModelThreads,
         *,
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
-        thread_name: str = "model-runner",
-        admit_delay_s: float = 0.0,
-        pipeline: Pipeline[P] | None = None,
-        workers: int = 1,
-        set_wide: Callable[[bool], None] | None = None,
+        make_queue: Callable[[BatchLimits], BatchQueue[P]] = BatchQueue,
     ) -> None:
-        if workers > 1 and set_wide is None:
-            raise ValueError("workers > 1 needs set_wide, which gives a batch its share of the cores")
-        self._execute = execute
-        self._two_phase = TwoPhase(pipeline, execute) if pipeline is not None else None
-        self._set_wide = set_wide
+        self._runner = runner
+        self._threads = threads
         self._observer: BatchObserver = observer or NullObserver()
         self._clock = clock
-        self._queue: BatchQueue[P] = BatchQueue(limits, admit_delay_s)
+        self._queue = make_queue(limits)  # fault hooks hand in one that delays (service/fault_hooks.py)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)  # the state's lock; the lead (or the only model thread) waits here
         self._followers = threading.Condition(lock)  # the other workers wait here (see _wake)
@@ -93,34 +88,16 @@ class Batcher(Generic[P]):
         self._busy = False
         self._running: list[Item[P]] = []  # the items of the batches in flight (one per worker, two pipelined)
         self._wide: list[Item[P]] | None = None  # the wide batch running (workers > 1), if one is
-        self._calls: deque[tuple[Callable[[], Any], asyncio.Future[Any]]] = deque()  # see call()
-        self._threads = [
-            threading.Thread(target=self._run, args=(i,), name=thread_name if workers == 1 else f"{thread_name}-{i}",
-                             daemon=True)
-            for i in range(workers)
-        ]
+        self._loops: list[Future[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- event-loop side -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start one batching loop on each model thread."""
         self._loop = asyncio.get_running_loop()
-        for thread in self._threads:
-            thread.start()
-
-    async def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the (lead) model thread, between batches, and return what it returns (or raise
-        what it raises). For the model's setup (load, warm-up), so that it and every wide forward share
-        one OpenMP team: a second team made a 1 x 128 forward about 30% slower (libgomp stops spinning
-        once its threads outnumber the cores; bench/RESULTS.md). A narrow forward starts no team."""
-        assert self._loop is not None, "Batcher.start() was not called. This is a bug."
-        future: asyncio.Future[T] = self._loop.create_future()
-        with self._cond:
-            if self._stopping:
-                raise ShuttingDown("server shutting down")
-            self._calls.append((fn, future))
-            self._wake()
-        return await future
+        self._loops = [self._threads.submit(worker, functools.partial(self._run, worker))
+                       for worker in range(len(self._threads))]
 
     def submit(self, requests: Sequence[Request[P]], deadline: float) -> list[Item[P]]:
         """Admit all `requests` of one call (or raise `Overloaded`/`ShuttingDown`); returns their items."""
@@ -163,17 +140,10 @@ class Batcher(Generic[P]):
     def limits(self) -> BatchLimits:
         return self._queue.limits
 
-    @limits.setter
-    def limits(self, limits: BatchLimits) -> None:
-        """New limits (the server raises a default token budget to the loaded model's max_length);
-        the next batch chosen sees them."""
-        with self._cond:
-            self._queue.limits = limits
-
     @property
-    def model_thread_alive(self) -> bool:
-        """Whether any model thread still runs (after `aclose`, one may be stuck in a forward)."""
-        return any(thread.is_alive() for thread in self._threads)
+    def running(self) -> bool:
+        """Whether a batching loop still runs (after `aclose`, one may be stuck in a forward)."""
+        return not all(loop.done() for loop in self._loops)
 
     @property
     def idle(self) -> bool:
@@ -192,9 +162,9 @@ class Batcher(Generic[P]):
     async def aclose(self, join_timeout: float | None = None) -> None:
         """Stop admitting, fail what is still queued with `ShuttingDown`, stop the model thread.
 
-        Waits for the model thread's current batch at most `join_timeout` seconds (None: as long as it
-        takes); a batch still running then is failed with `ShuttingDown` and its thread abandoned (a
-        daemon; its late results are ignored).
+        Waits for the model threads' current batches at most `join_timeout` seconds (None: as long as it
+        takes); a batch still running then is failed with `ShuttingDown` and its loop abandoned (its
+        late results are ignored).
         """
         with self._cond:
             self._accepting = False
@@ -206,11 +176,10 @@ class Batcher(Generic[P]):
             _settle(item.future, ShuttingDown("server shutting down; retry on another replica"))
         if leftover:
             self._observer.on_dropped("shutting_down", len(leftover))
-        end = None if join_timeout is None else self._clock() + join_timeout
-        while self.model_thread_alive and (end is None or self._clock() < end):
-            await asyncio.sleep(0.005)
+        if self._loops:
+            await asyncio.wait([asyncio.wrap_future(loop) for loop in self._loops], timeout=join_timeout)
         with self._cond:
-            running = list(self._running) if self.model_thread_alive else []
+            running = list(self._running) if self.running else []
         for item in running:  # counted in its batch already
             _settle(item.future, ShuttingDown("request aborted: server shutting down; retry on another replica"))
 
@@ -229,7 +198,7 @@ class Batcher(Generic[P]):
         self._cond.notify_all()
         self._followers.notify_all()
 
-    def _wait(self, worker: int, timeout: float | None = None) -> None:
+    def _wait(self, worker: int, timeout: float | None = None) -> None:  # under _cond
         (self._cond if worker == 0 else self._followers).wait(timeout)
 
     def _next_batch(self, worker: int = 0, wait: bool = True) -> list[Item[P]] | None:
@@ -239,8 +208,6 @@ class Batcher(Generic[P]):
             while True:
                 if self._stopping:
                     return None
-                if wait and worker == 0 and self._calls:
-                    return []  # the caller runs them first (_run_calls)
                 now = self._clock()
                 expired = self._queue.take_expired(now)
                 if expired:
@@ -273,65 +240,48 @@ class Batcher(Generic[P]):
                 return batch
 
     def _run(self, worker: int) -> None:
-        flight: Flight[P] | None = None  # launched, not yet finished (pipelined only)
+        """One model thread's loop, until `aclose`."""
+        in_flight: tuple[list[Item[P]], float, InFlight] | None = None  # launched, not finished (pipelined)
         while True:
-            if flight is None:
+            if in_flight is None:
                 batch = self._next_batch(worker)
                 if batch is None:
-                    self._fail_calls()
                     return
-                if not batch:
-                    self._run_calls()
-                    continue
-                if self._two_phase is not None and self._two_phase.pipelined and len(self._threads) == 1:
-                    flight = self._launch(batch)
+                if self._runner.pipelined and len(self._threads) == 1:
+                    in_flight = self._launch(batch)
                 else:
                     self._run_batch(batch)
                 continue
             # Batch N is in flight: launch N+1 first if one is ready now, so its choice and collation
             # overlap N's device work; never wait for arrivals, which would delay delivering N. After a
-            # failed launch nothing else is launched until that batch has been run the ordinary way.
+            # failed launch nothing else is launched until that batch has been finished.
             following = None
-            if flight.error is None and (batch := self._next_batch(worker, wait=False)) is not None:
+            if not in_flight[2].failed and (batch := self._next_batch(worker, wait=False)) is not None:
                 following = self._launch(batch)
-            self._finish(flight)
-            flight = following
-
-    def _run_calls(self) -> None:
-        while True:
-            with self._cond:
-                if not self._calls:
-                    return
-                fn, future = self._calls.popleft()
-            try:
-                outcome = fn()
-            except Exception as exc:  # noqa: BLE001 - the caller of call() gets it
-                outcome = exc
-            self._settle_all([(future, outcome)])
-
-    def _fail_calls(self) -> None:
-        with self._cond:
-            calls, self._calls = list(self._calls), deque()
-        self._settle_all([(future, ShuttingDown("server shutting down")) for _, future in calls])
+            batch, started, handle = in_flight
+            self._deliver(batch, started, functools.partial(self._runner.finish, handle))
+            in_flight = following
 
     def _run_batch(self, batch: list[Item[P]]) -> None:
         wide = len(self._threads) == 1 or batch is self._wide  # one worker: every batch has every thread
-        if self._set_wide is not None:
-            self._set_wide(wide)
+        self._runner.set_wide(wide)
         started = self._clock()
         self._on_batch(batch, started, wide)
-        self._deliver(batch, started, lambda: self._execute([item.request.payload for item in batch]))
+        self._deliver(batch, started, lambda: self._runner.execute(_payloads(batch)))
 
-    def _launch(self, batch: list[Item[P]]) -> Flight[P]:
-        assert self._two_phase is not None
+    def _launch(self, batch: list[Item[P]]) -> tuple[list[Item[P]], float, InFlight] | None:
         started = self._clock()
         self._on_batch(batch, started, wide=True)  # pipelined: one worker
-        return self._two_phase.launch(batch, started)
+        try:
+            return batch, started, self._runner.launch(_payloads(batch))
+        except Exception as exc:  # noqa: BLE001 - the runner keeps its own failures; this one is a bug
+            error = exc  # `exc` is unbound once the except block ends
 
-    def _finish(self, flight: Flight[P]) -> None:
-        two_phase = self._two_phase
-        assert two_phase is not None
-        self._deliver(flight.batch, flight.started, lambda: two_phase.finish(flight))
+            def fail() -> tuple[Sequence[Any], float]:
+                raise error
+
+            self._deliver(batch, started, fail)  # fails the batch's items, as an exception from execute would
+            return None
 
     def _on_batch(self, batch: list[Item[P]], started: float, wide: bool) -> None:
         padded = max(item.request.length for item in batch)
@@ -379,6 +329,10 @@ class Batcher(Generic[P]):
                 pass
 
 
+def _payloads(batch: list[Item[P]]) -> list[P]:
+    return [item.request.payload for item in batch]
+
+
 def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
     if future.done():
         return
@@ -394,6 +348,3 @@ def _settle_many(outcomes: Sequence[tuple[asyncio.Future[Any], Any]]) -> None:
         _settle(future, outcome)
 
 
-__all__ = [
-    "BatchLimits", "BatchObserver", "Batcher", "Done", "Item", "Request", "ServiceError",
-]

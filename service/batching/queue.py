@@ -1,6 +1,6 @@
 """The batcher's queue: the sequences waiting for a batch, one FIFO per computation key, with the
 admission bounds, deadline expiry and the choice of the next batch. Plain state, no lock and no
-threads: service/batcher.py calls it under its own lock.
+threads: batching/batcher.py calls it under its own lock.
 
 What a batch holds (held by tests/test_batcher.py and tests/test_batch_queue.py):
 - One computation `key` only (attention or not, causal or not, ...), at most `max_batch_size` items
@@ -9,7 +9,7 @@ What a batch holds (held by tests/test_batcher.py and tests/test_batch_queue.py)
   worth), sorted by length, the window of similar lengths that does the most work per unit of
   cost, where a batch costs its padded tokens plus `batch_overhead_tokens` (the fixed cost of one
   forward, in tokens) and each item's work and padded tokens count more the longer it has waited
-  (service/window.py). Age bound: the key with the oldest item goes first, and once that item has
+  (batching/choice.py). Age bound: the key with the oldest item goes first, and once that item has
   waited `max_age_ms` the window must contain it, so no item starves behind newcomers.
 """
 
@@ -18,20 +18,19 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
 
-from service.batch_types import BatchLimits, Item
+from service.batching.choice import choose_batch, pool_size
+from service.batching.types import BatchLimits, Item
 from service.errors import Overloaded
-from service.window import choose_batch, pool_size
 
 P = TypeVar("P")
 
 
 class BatchQueue(Generic[P]):
-    def __init__(self, limits: BatchLimits, admit_delay_s: float = 0.0) -> None:
+    def __init__(self, limits: BatchLimits) -> None:
         self.limits = limits
         self.items = 0  # sequences queued
         self.tokens = 0  # their tokens
         self._queues: dict[Hashable, list[Item[P]]] = {}  # per key, in admission order
-        self._admit_delay = admit_delay_s  # test hook (service/hooks.py): items ripen this long before batching
 
     def __bool__(self) -> bool:
         return bool(self._queues)
@@ -78,13 +77,10 @@ class BatchQueue(Generic[P]):
     def choose(self, now: float) -> tuple[list[Item[P]], float]:
         """The next batch (still queued), and how long to hold it open for `max_wait_ms` (0 = run it
         now). The key with the oldest item goes first. Call only when the queue is not empty."""
-        queues: Sequence[list[Item[P]]] = list(self._queues.values())
-        if self._admit_delay > 0:
-            ripe = now - self._admit_delay
-            first = min(q[0].enqueued_at for q in queues)  # each queue is in admission order
-            if first > ripe:
-                return [], first - ripe
-            queues = [ready for q in queues if (ready := [i for i in q if i.enqueued_at <= ripe])]
+        return self._choose(list(self._queues.values()), now)
+
+    def _choose(self, queues: Sequence[list[Item[P]]], now: float) -> tuple[list[Item[P]], float]:
+        """`choose` among `queues` (per key, in admission order; none empty)."""
         queue = min(queues, key=lambda q: q[0].enqueued_at)
         oldest = queue[0]
         lim = self.limits

@@ -1,15 +1,21 @@
-"""Server interceptors: the conventional `grpc_server_*` metrics for every RPC (health included)."""
+"""The metrics interceptor: the one place an RPC's final status code is counted.
+
+Every RPC (health included) in the conventional `grpc_server_*` families; unary calls of the front
+doors (`services`) also in `attention_requests_total` and its duration, in the same step, so the two
+always agree. A stream's requests are counted one by one by its servicer (service/servicer.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 
+from service.edge import cancel_code
 from service.metrics import Metrics
 
 
@@ -21,14 +27,10 @@ def _code_name(context: grpc.aio.ServicerContext) -> str:
     return name
 
 
-def _cancel_code(context: grpc.aio.ServicerContext) -> str:
-    remaining = context.time_remaining()
-    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0.001 else "CANCELLED"
-
-
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, services: Sequence[str]) -> None:
         self._metrics = metrics
+        self._services = frozenset(services)
 
     async def intercept_service(
         self,
@@ -44,9 +46,14 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
         labels = (kind, service, method)
         m = self._metrics
 
+        per_call = not handler.response_streaming and not handler.request_streaming and service in self._services
+
         def finish(code: str, started: float) -> None:
+            seconds = time.perf_counter() - started
             m.grpc_handled.labels(*labels, code).inc()
-            m.grpc_handling.labels(*labels).observe(time.perf_counter() - started)
+            m.grpc_handling.labels(*labels).observe(seconds)
+            if per_call:
+                m.observe_request(method, code, seconds)
 
         if not handler.response_streaming:
             behavior = handler.unary_unary or handler.stream_unary
@@ -63,7 +70,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
                     code = _code_name(context)
                     raise
                 except asyncio.CancelledError:
-                    code = _cancel_code(context)
+                    code = cancel_code(context)
                     raise
                 finally:
                     finish(code, started)
@@ -91,7 +98,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
                     code = _code_name(context)
                     raise
                 except asyncio.CancelledError:
-                    code = _cancel_code(context)
+                    code = cancel_code(context)
                     raise
                 finally:
                     finish(code, started)
@@ -112,7 +119,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
                 raise
             except (asyncio.CancelledError, GeneratorExit):
                 # GeneratorExit: grpcio closes a streaming handler this way when the caller cancels.
-                code = _cancel_code(context)
+                code = cancel_code(context)
                 raise
             finally:
                 finish(code, started)

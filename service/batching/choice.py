@@ -1,15 +1,15 @@
-"""Which items of one key's queue to batch next: pure policy (numpy only), apart from the batcher's
-queue and thread mechanics.
+"""The batch-choice policy: which items of one key's queue to batch next, by age-weighted windows of
+similar lengths. Pure policy (numpy only), apart from the batcher's queue and thread mechanics.
 
 `choose_batch` takes the oldest items (about `pool_batches` batches' worth), sorts them by length
 and picks the window of similar lengths with the best age-weighted work per cost:
 
-    score = sum(w_i * length_i) / (sum(w_i) * padded length + batch_overhead_tokens)   [PADDING_COST 1]
+    score = sum(w_i * length_i) / (sum(w_i) * padded length + batch_overhead_tokens)
     w_i   = ((age_i + AGE_SLACK_S) / (age of the oldest in the pool + AGE_SLACK_S)) ** AGE_POWER + FRESH_WEIGHT
 
 With all weights 1 this is plain work per cost (real tokens / (padded tokens + overhead)),
 which keeps the padding low but lets an item whose length fits no good window wait until it is the
-oldest of all: at 64 callers with lengths 16..256, p99 = 2.5 x p50. Weighting each item's work and
+oldest of all, which stretches the tail (bench/RESULTS.md). Weighting each item's work and
 its padded cost alike makes a window of old items worth more than an equally efficient one of
 newcomers, while a newcomer of about the padded length still adds to any window (it adds as much
 work as cost), so batches do not shrink. `python -m bench.policy_sim` compares the two under load.
@@ -32,15 +32,10 @@ FRESH_WEIGHT = 0.01
 # Ages are compared as (age + AGE_SLACK_S): differences of a few milliseconds (the order a burst of
 # calls happened to arrive in) should not decide which of two equally good windows runs.
 AGE_SLACK_S = 0.01
-# What the score prices a padded token at, against a real one. A packed forward (model/encoder.py)
-# spends 0.2-0.33 of a token on one, but pricing it at 0.3 changed neither throughput nor tail, in
-# bench/policy_sim.py (within 1% at 4-128 callers) nor in a real A/B (mixed c64: 1.016): the windows
-# the choice finds are narrow either way. Kept at 1, the cost of a padded forward.
-PADDING_COST = 1.0
 
 
 class WindowLimits(Protocol):
-    """What the policy reads of service.batch_types.BatchLimits."""
+    """What the policy reads of service.batching.types.BatchLimits."""
 
     @property
     def max_batch_tokens(self) -> int: ...
@@ -109,7 +104,7 @@ def choose_window(lengths: Sequence[int] | np.ndarray, limits: WindowLimits, anc
     start = np.clip(lo, 0, None)
     work = work_prefix[hi + 1] - work_prefix[start]  # (n, k)
     grid = (weight_prefix[hi + 1] - weight_prefix[start]) * length[:, None]  # weighted padded tokens
-    cost = PADDING_COST * grid + (1 - PADDING_COST) * work + limits.batch_overhead_tokens
+    cost = grid + limits.batch_overhead_tokens
     score = np.where(valid, work / cost + work * 1e-12, -1.0)
     best = int(np.argmax(score))
     if score.flat[best] < 0:  # nothing fits the budget (one item longer than it): run one alone

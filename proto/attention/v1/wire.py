@@ -1,7 +1,8 @@
-"""numpy <-> `attention.v1.Tensor`: raw little-endian, row-major bytes with a dtype and a shape.
+"""The wire beside the contract, shared by client and service: the service's name, and numpy <->
+`attention.v1.Tensor` (raw little-endian, row-major bytes with a dtype and a shape).
 
 bfloat16 has no numpy dtype: on the wire it is the upper 16 bits of the float32 (rounded to
-nearest even when encoding); decoding widens it back to float32. Shared by client and server.
+nearest even when encoding); decoding widens it back to float32.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Any, cast
 import numpy as np
 
 from proto.attention.v1 import attention_pb2 as pb
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name  # the readiness name, too
 
 _NUMPY_OF: dict[int, np.dtype[Any]] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),

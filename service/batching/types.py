@@ -1,6 +1,6 @@
-"""The batcher's data and the interfaces it is given (service/batcher.py has the contract): its
+"""The batcher's data and the interfaces it is given (batching/batcher.py has the contract): its
 limits, a request and what its future resolves to, a queued item, the observer it reports to, and
-the two-phase `Pipeline` of a device that can overlap batches."""
+the runner it feeds (`BatchRunner`: service/runner.py in production, fakes in tests)."""
 
 from __future__ import annotations
 
@@ -74,10 +74,24 @@ class NullObserver:
         pass
 
 
-class Pipeline(Protocol[P]):
-    """`execute` in two halves, so the model thread can prepare the next batch while one computes."""
+class InFlight(Protocol):
+    """A batch launched on a pipelined runner, until `BatchRunner.finish` hands back its outputs."""
 
     @property
-    def pipelined(self) -> bool: ...  # read before each batch; False: use `execute`
-    def launch(self, payloads: list[P]) -> Any: ...  # start the batch; returns a handle for `finish`
-    def finish(self, handle: Any) -> tuple[Sequence[Any], float]: ...  # as `execute` returns
+    def failed(self) -> bool: ...  # the launch failed: launch nothing more until this batch is finished
+
+
+class BatchRunner(Protocol[P]):
+    """What the batcher runs batches on. `execute` returns `(outputs, compute_s)`: one output or
+    `ServiceError` per payload, and the forward's time. Pipelined (`pipelined` true, read before each
+    batch), the batcher calls the two halves instead: `launch` starts a batch without waiting for the
+    device, `finish` waits for it and returns what `execute` would. A failure in either half is the
+    runner's to handle (it splits the batch, as `execute` does); an exception that escapes any of
+    these fails the batch's items with `ModelFailure`."""
+
+    @property
+    def pipelined(self) -> bool: ...
+    def set_wide(self, wide: bool) -> None: ...  # on the thread about to run a batch: all cores, or a share
+    def execute(self, payloads: list[P]) -> tuple[Sequence[Any], float]: ...
+    def launch(self, payloads: list[P]) -> InFlight: ...
+    def finish(self, in_flight: Any) -> tuple[Sequence[Any], float]: ...
