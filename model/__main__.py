@@ -2,6 +2,9 @@
 
   python -m model default --out DIR [--seed N]
   python -m model convert --state-dict FILE.pt --config CONFIG.json --out DIR --name N --version V
+                          [--key-map stock|article_mha|article_einsum|FILE.json|FILE.toml] [--var NAME=VALUE ...]
+                          [--reference module.py:factory [--atol 1e-5]]   # checked before it is kept
+  python -m model check DIR --reference module.py:factory [--atol 1e-5]   # exit 1 over the tolerance
   python -m model info DIR
 """
 
@@ -12,9 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from model.bundle import BundleError, read_manifest, save_bundle
+from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, save_bundle
 from model.config import EncoderConfig
-from model.convert import ConversionError, convert_state_dict, load_state_dict_file
+from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
 
 
@@ -29,13 +32,56 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
         raise ConversionError(f"cannot read the config {args.config}: {e}") from e
     except ValueError as e:
         raise ConversionError(f"{args.config}: {e}") from e
-    encoder = convert_state_dict(
-        load_state_dict_file(args.state_dict), config, embedding_prefix=args.embedding_prefix,
-        encoder_prefix=args.encoder_prefix, position_key=args.position_key, strict=args.strict,
-    )
-    manifest = save_bundle(encoder, args.out, name=args.name, version=args.version,
-                           source=f"state_dict:{Path(args.state_dict).name}")
+    keymap = KeyMap.builtin(args.key_map) if args.key_map in builtin_names() else KeyMap.load(args.key_map)
+    variables = dict(_parse_var(v) for v in args.var)
+    # The stock flags are its vars under their historical names.
+    for var, value in (("embedding", args.embedding_prefix), ("encoder", args.encoder_prefix),
+                       ("position_key", args.position_key)):
+        if value is not None:
+            variables[var] = value
+    keymap = keymap.with_vars(**variables)
+    if keymap.name == "stock" and config.positional == "learned" and not keymap.vars.get("position_key"):
+        raise ConversionError("positional='learned' needs --position-key: the state_dict key of the "
+                              "(max_length, d_model) position table (the stock modules have none)")
+    encoder = convert(load_state_dict_file(args.state_dict), config, keymap, strict=args.strict)
+    source = f"state_dict:{Path(args.state_dict).name}"
+    if keymap.name != "stock":
+        source += f",key_map:{keymap.name if args.key_map in builtin_names() else Path(args.key_map).name}"
+    manifest = save_bundle(encoder, args.out, name=args.name, version=args.version, source=source)
+    if args.reference:
+        from model.check import check_bundle, load_reference
+
+        try:
+            result = check_bundle(args.out, load_reference(args.reference)(), atol=args.atol)
+            failure = None if result.ok else (f"the converted bundle differs from the reference {args.reference} "
+                                              f"by {result.worst:.3g} (> --atol {args.atol}); no bundle written")
+        except BaseException:
+            _remove_bundle(args.out)
+            raise
+        if failure:
+            _remove_bundle(args.out)
+            raise ConversionError(failure)
     return manifest.to_dict()
+
+
+def _remove_bundle(directory: Path) -> None:
+    for name in (MANIFEST_FILE, MODEL_FILE):  # manifest first: a directory with one is a complete bundle
+        (directory / name).unlink(missing_ok=True)
+
+
+def _parse_var(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise ConversionError(f"--var takes NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def _check(args: argparse.Namespace) -> dict[str, object]:
+    from model.check import check_bundle, load_reference
+
+    result = check_bundle(args.directory, load_reference(args.reference)(), atol=args.atol, seed=args.seed)
+    args.exit_code = 0 if result.ok else 1
+    return {"bundle": str(args.directory), "reference": args.reference, **result.to_dict()}
 
 
 def _info(args: argparse.Namespace) -> dict[str, object]:
@@ -57,25 +103,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     p.set_defaults(run=_default)
 
-    p = sub.add_parser("convert", help="export a stock nn.Embedding + nn.TransformerEncoder state_dict",
-                       description="Map the state_dict of nn.Embedding + nn.TransformerEncoder(batch_first=True "
-                       "layers) onto our encoder and save it as a bundle. The key mapping is in model/convert.py. "
-                       "norm_first, activation, layer_norm_eps and positional in --config must match how "
-                       "the stock model was built: a state_dict cannot tell.")
+    p = sub.add_parser("convert", help="export another encoder's state_dict through a key map",
+                       description="Map a state_dict onto our encoder through a key map (model/convert.py "
+                       "documents the format; built-in maps: " + ", ".join(builtin_names()) + ") and save it "
+                       "as a bundle. The default map reads nn.Embedding + nn.TransformerEncoder(batch_first=True "
+                       "layers): norm_first, activation, layer_norm_eps and positional in --config must match how "
+                       "the model was built: a state_dict cannot tell.")
     p.add_argument("--state-dict", required=True, type=Path, help="file written by torch.save(model.state_dict())")
     p.add_argument("--config", required=True, type=Path, help="JSON file of EncoderConfig fields")
     p.add_argument("--out", required=True, type=Path, help="directory to create the bundle in (must be empty)")
     p.add_argument("--name", required=True, help="model name for the manifest")
     p.add_argument("--version", required=True, help="model version for the manifest")
-    p.add_argument("--embedding-prefix", default="embedding.",
-                   help="state_dict prefix of the nn.Embedding (default: 'embedding.')")
-    p.add_argument("--encoder-prefix", default="encoder.",
-                   help="state_dict prefix of the nn.TransformerEncoder (default: 'encoder.'; '' for a bare one)")
+    p.add_argument("--key-map", default="stock",
+                   help="a built-in map name or a key map file, .json or .toml (default: stock)")
+    p.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
+                   help="set a key map var (a key prefix, say); repeatable")
+    p.add_argument("--embedding-prefix", default=None,
+                   help="stock map: state_dict prefix of the nn.Embedding (default: 'embedding.')")
+    p.add_argument("--encoder-prefix", default=None,
+                   help="stock map: state_dict prefix of the nn.TransformerEncoder (default: 'encoder.'; '' for a "
+                   "bare one)")
     p.add_argument("--position-key", default=None,
-                   help="state_dict key of the (max_length, d_model) table, for positional='learned'")
+                   help="stock map: state_dict key of the (max_length, d_model) table, for positional='learned'")
+    p.add_argument("--reference", default=None, metavar="MODULE.py:FACTORY",
+                   help="check the bundle against your eager model before keeping it (as `check` does); a "
+                   "difference over --atol removes it and exits 1")
+    p.add_argument("--atol", type=float, default=1e-5, help="tolerance of --reference (default: 1e-5)")
     p.add_argument("--strict", action="store_true",
-                   help="also refuse keys outside the two prefixes (default: ignore them, e.g. a task head)")
+                   help="also refuse keys outside the map's checked prefixes (default: ignore them, e.g. a task "
+                   "head)")
     p.set_defaults(run=_convert)
+
+    p = sub.add_parser("check", help="compare a bundle with the eager model it was converted from",
+                       description="Run the eager model from --reference and the bundle on random batches of "
+                       "mixed lengths, with and without the causal mask, and print the worst difference on real "
+                       "positions (JSON). Exit status 1 when it exceeds --atol. The contract of the reference is "
+                       "in model/check.py.")
+    p.add_argument("directory", type=Path, help="bundle directory")
+    p.add_argument("--reference", required=True, metavar="MODULE.py:FACTORY",
+                   help="factory() returns the eager model; forward(ids, mask) -> hidden (B, T, d_model)")
+    p.add_argument("--atol", type=float, default=1e-5, help="largest accepted absolute difference (default: 1e-5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.set_defaults(run=_check)
 
     p = sub.add_parser("info", help="print a bundle's manifest", description="Print DIR/manifest.json, checked.")
     p.add_argument("directory", type=Path, help="bundle directory")
@@ -87,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.run(args)
-    except (BundleError, ConversionError) as e:
+    except (BundleError, ConversionError, ValueError) as e:  # CheckError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))
-    return 0
+    return getattr(args, "exit_code", 0)
 
 
 if __name__ == "__main__":

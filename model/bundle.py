@@ -5,8 +5,8 @@ A bundle is a directory:
   manifest.json  {format_version, name, version, config, sha256, weights_sha256, dtype,
                   validated_precisions, created_at, source}
 Loading needs torch and json only, never our Python classes (fault bundles need their ops registered:
-load_bundle imports model.faults for them). torch 2.13 deprecates torch.jit; keeping every call here
-lets torch.export replace it behind the same two functions.
+load_bundle imports model.fault_ops, which imports torch alone, for them). torch 2.13 deprecates
+torch.jit; keeping every call here lets torch.export replace it behind the same two functions.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
+from model.encoder import sinusoidal_table
 
 FORMAT_VERSION = 1
 MODEL_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
-FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.faults registers
+FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.fault_ops registers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest relative error of reduced-precision hidden states vs fp32 that export accepts (max |diff| /
 # max |fp32|); measured values are in model/encoder.py's docstring and held by test_model_numerics.
@@ -40,14 +41,16 @@ _FP32_ATOL = 1e-5  # scripted vs eager at export
 
 
 class BundleError(Exception):
-    """A bundle cannot be written or loaded: missing or malformed file, checksum mismatch, failed check."""
+    """A bundle cannot be written or loaded: missing or malformed file, checksum mismatch, failed check,
+    a manifest whose config or weights_sha256 the module itself contradicts."""
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """manifest.json. `sha256` is of model.pt (verified on every load); `weights_sha256` is of the
-    weights themselves (name, dtype, shape, bytes of each state_dict tensor, in order), which is what
-    a seed determines: model.pt also holds a random serialization id and TorchScript class names."""
+    """manifest.json. `sha256` is of model.pt; `weights_sha256` is of the weights themselves (name, dtype,
+    shape, bytes of each parameter, in order), which is what a seed determines: model.pt also holds a
+    random serialization id and TorchScript class names. Both are verified on every load, and the config
+    is compared with the shapes and constants of the loaded module (module_config_facts)."""
 
     name: str
     version: str
@@ -119,13 +122,103 @@ def file_sha256(path: Path) -> str:
 
 
 def weights_sha256(module: nn.Module) -> str:
-    """Digest of the state_dict (name, dtype, shape, bytes per tensor), independent of the file format."""
+    """Digest of the parameters (name, dtype, shape, bytes per tensor, in order), independent of the file format.
+
+    Parameters, not the state_dict: a loaded TorchScript module lists non-persistent buffers (our
+    sinusoidal table) in its state_dict, so the digest must skip buffers to be recomputable at load.
+    For our Encoder (no persistent buffers) this is the state_dict digest earlier bundles recorded."""
     digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
+    for name, tensor in module.named_parameters():
         t = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _submodule(module: Any, path: str) -> Any:
+    for part in path.split(".") if path else []:
+        module = getattr(module, part)
+    return module
+
+
+def _encoder_of(module: Any) -> tuple[str, Any]:
+    """(prefix, submodule) of the one encoder in `module`: the submodule holding `tok_emb.weight`."""
+    keys = [k for k, _ in module.named_parameters() if k.endswith("tok_emb.weight")]
+    if len(keys) != 1:
+        raise BundleError(f"cannot find one encoder (a tok_emb.weight parameter) in the module; found {keys}")
+    prefix = keys[0][: -len("tok_emb.weight")]
+    return prefix, _submodule(module, prefix.rstrip("."))
+
+
+def module_config_facts(module: Any) -> dict[str, Any]:
+    """The EncoderConfig fields the module itself states, read from its parameters and TorchScript constants.
+
+    Works on an eager Encoder and on a loaded (unfrozen) TorchScript one, alone or wrapped (the encoder
+    is the submodule holding `tok_emb.weight`). Raises BundleError if the module is not shaped like one."""
+    prefix, enc = _encoder_of(module)
+    try:
+        params = dict(enc.named_parameters())
+        blocks = [getattr(enc.blocks, str(i)) for i in range(len(list(enc.blocks.children())))]
+        vocab_size, d_model = params["tok_emb.weight"].shape
+        first = blocks[0]
+        facts: dict[str, Any] = {
+            "vocab_size": int(vocab_size),
+            "d_model": int(d_model),
+            "n_layers": len(blocks),
+            "n_heads": int(first.attn.n_heads),
+            "d_ff": int(params["blocks.0.ff.fc1.weight"].shape[0]),
+            "max_length": int(enc.max_length),
+            "positional": "none" if not enc.has_positions else "learned" if "pos_emb" in params else "sinusoidal",
+            "norm_first": bool(first.norm_first),
+            "activation": "gelu" if first.ff.use_gelu else "relu",
+            "layer_norm_eps": float(first.ln1.eps),
+            "final_norm": "ln_f.weight" in params,
+            # Bundles from before these fields have neither constant: no bias, 1/sqrt(d_head).
+            "relative_bias": "per_layer" if getattr(first.attn, "has_rel_bias", False)
+            else "shared" if getattr(enc, "has_rel_bias", False) else "none",
+            "attention_scale": float(first.attn.scale),
+        }
+        tables = ([b.attn.rel_bias for b in blocks] if facts["relative_bias"] == "per_layer"
+                  else [enc.rel_bias] if facts["relative_bias"] == "shared" else [])
+        want_table = (facts["n_heads"], facts["max_length"], facts["max_length"])
+        if any(tuple(t.shape) != want_table for t in tables):
+            raise BundleError(f"the module's relative bias tables are {[tuple(t.shape) for t in tables]}, not "
+                              f"(n_heads, max_length, max_length) = {want_table}")
+        # Constants each layer holds for itself must agree with the first (and the encoder's own count).
+        layer_facts = {(int(b.attn.n_heads), int(b.attn.d_head), bool(b.norm_first), bool(b.ff.use_gelu),
+                        float(b.ln1.eps), float(b.ln2.eps), float(b.attn.scale)) for b in blocks}
+        if int(enc.n_layers) != len(blocks) or len(layer_facts) != 1:
+            raise BundleError(f"the module's layers disagree: n_layers constant {int(enc.n_layers)}, "
+                              f"{len(blocks)} blocks, per-layer constants {sorted(layer_facts)}")
+        if int(first.attn.n_heads) * int(first.attn.d_head) != d_model:
+            raise BundleError(f"the module's attention has {int(first.attn.n_heads)} heads of "
+                              f"{int(first.attn.d_head)} for d_model {int(d_model)}")
+        if facts["positional"] != "none" and tuple(enc.pos_emb.shape) != (facts["max_length"], d_model):
+            raise BundleError(f"the module's position table is {tuple(enc.pos_emb.shape)}, "
+                              f"not (max_length, d_model) = ({facts['max_length']}, {int(d_model)})")
+    except (AttributeError, KeyError, IndexError) as e:
+        raise BundleError(f"the module is not shaped like our Encoder (under {prefix!r}): {e}") from e
+    return facts
+
+
+def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
+    """Refuse a module that contradicts its manifest: config fields by name, weights by digest."""
+    facts = module_config_facts(module)
+    # The scale the manifest's config means (null: 1/sqrt(d_head)) against the one the module multiplies by.
+    config = {**manifest.config.to_dict(), "attention_scale": manifest.config.scale}
+    wrong = [f"config.{k} is {config[k]!r} in the manifest, {v!r} in the module" for k, v in facts.items()
+             if config[k] != v]
+    if wrong:
+        raise BundleError(f"{where} does not match its manifest: " + "; ".join(wrong))
+    if facts["positional"] == "sinusoidal":
+        # Not a parameter (it is derived from the config), so outside weights_sha256: compare exactly.
+        table = _encoder_of(module)[1].pos_emb
+        if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"], facts["d_model"])):
+            raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
+    actual = weights_sha256(module)
+    if actual != manifest.weights_sha256:
+        raise BundleError(f"{where} failed its weights check: manifest weights_sha256 {manifest.weights_sha256}, "
+                          f"module weights_sha256 {actual}; the weights were changed")
 
 
 def _probe(config: EncoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,6 +313,12 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         source=source,
     )
+    try:
+        with _quiet_jit():
+            _check_module(torch.jit.load(str(model_path), map_location="cpu"), manifest, model_path)
+    except BaseException:
+        model_path.unlink(missing_ok=True)
+        raise
     _write_atomic(directory / MANIFEST_FILE, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
     return manifest
 
@@ -241,7 +340,8 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
 
 def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device = "cpu",
                 dtype: torch.dtype | str = torch.float32) -> LoadedBundle:
-    """Verify model.pt against the manifest's sha256, load it onto `device`, cast to `dtype`, eval, freeze.
+    """Verify model.pt against the manifest's sha256, load it onto `device`, check the module against the
+    manifest (config facts by name, weights_sha256), cast to `dtype`, eval, freeze.
 
     Freezing (torch.jit.freeze) inlines the weights as constants of the graph, so it happens here,
     after the cast: a frozen module cannot be cast again. For fp32 and bf16 copies of one bundle
@@ -264,11 +364,14 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
             "the file is corrupt or was replaced"
         )
     if manifest.name == FAULT_MODEL_NAME:
-        import model.faults  # noqa: F401  (registers the attention_faults ops its TorchScript calls)
+        # Imported here, not at the top: registering the ops is a side effect other bundles do not need.
+        import model.fault_ops  # noqa: F401  (registers the attention_faults ops its TorchScript calls)
     try:
         with _quiet_jit():
             module = torch.jit.load(str(model_path), map_location=device)
-            module = torch.jit.freeze(module.to(dtype).eval())
     except RuntimeError as e:
         raise BundleError(f"{model_path} could not be loaded as TorchScript: {e}") from e
+    _check_module(module, manifest, model_path)  # fp32, before the cast and freeze
+    with _quiet_jit():
+        module = torch.jit.freeze(module.to(dtype).eval())
     return LoadedBundle(module=module, manifest=manifest)

@@ -13,6 +13,7 @@ from typing import Any
 
 POSITIONALS = ("sinusoidal", "learned", "none")
 ACTIVATIONS = ("relu", "gelu")
+RELATIVE_BIASES = ("none", "shared", "per_layer")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,13 @@ class EncoderConfig:
     activation: str = "relu"  # relu | gelu (exact, erf-based, as nn.TransformerEncoderLayer)
     layer_norm_eps: float = 1e-5
     final_norm: bool = False
+    # A learned (n_heads, max_length, max_length) table added to the scaled scores before mask and softmax,
+    # sliced [:, :T, :T], as the tutorials' RelativePositionBias writes it: none | shared (one for all
+    # layers) | per_layer.
+    relative_bias: str = "none"
+    # The multiplier of q.k. None: 1/sqrt(d_head), the correct one. Set it only to serve a model trained
+    # with another (the sqrt(embed_size) of one tutorial); the manifest then states it.
+    attention_scale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "max_length"):
@@ -58,10 +66,25 @@ class EncoderConfig:
             raise ValueError(f"EncoderConfig.layer_norm_eps must be a finite float > 0, got {eps!r}")
         # JSON turns 1e-5 into a float either way; normalise ints (eps=1) so round trips compare equal.
         object.__setattr__(self, "layer_norm_eps", float(eps))
+        if self.relative_bias not in RELATIVE_BIASES:
+            raise ValueError(
+                f"EncoderConfig.relative_bias must be one of {RELATIVE_BIASES}, got {self.relative_bias!r}"
+            )
+        scale = self.attention_scale
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale)
+                                                                                      and scale > 0):
+                raise ValueError(f"EncoderConfig.attention_scale must be null or a finite float > 0, got {scale!r}")
+            object.__setattr__(self, "attention_scale", float(scale))
 
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def scale(self) -> float:
+        """The attention scale the model uses: attention_scale, or 1/sqrt(d_head) when that is None."""
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.d_head)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -7,6 +7,9 @@ Reduced precision (module cast with `.to(torch.bfloat16 | torch.float16)`): Laye
 attention scores and their softmax run in fp32; SDPA's fused kernels (CPU flash, CUDA flash and
 memory-efficient) accumulate in fp32.
 Masks are boolean, so no -1e9 literal can overflow fp16 and no two finfo.min terms are ever added.
+With a relative position bias the SDPA path passes a float mask instead (the bias, the dtype's finite
+minimum filled in where the boolean mask is False): on CPU the attention call then costs 1.2-1.4x the
+boolean-mask one at 8 x 128 and 1.65-1.8x at 4 x 512 (REFERENCE heads, one thread; bench.relbias_bench).
 A padded batch runs its projections, feed-forwards and LayerNorms on the real tokens only, (N, C)
 rather than (B, T, C): they are about nine tenths of the work at d_ff = 4 d_model and T ~ d_model, so
 padding costs little beyond its share of attention (as TEI and FasterTransformer's "remove padding"
@@ -49,23 +52,38 @@ class MultiHeadAttention(nn.Module):
     d_head: Final[int]
     scale: Final[float]
     score_min: Final[float]
+    has_rel_bias: Final[bool]
+    fp16_min: Final[float]
+    bf16_min: Final[float]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.d_head = config.d_head
         # 1/sqrt(d_head), per head: the logits of each head are a d_head-long dot product.
-        # (A seed snippet used 1/sqrt(d_model); that flattens attention by sqrt(n_heads).)
-        self.scale = 1.0 / math.sqrt(config.d_head)
+        # (A seed snippet used 1/sqrt(d_model); that flattens attention by sqrt(n_heads).) A model trained
+        # with another scale states it in config.attention_scale.
+        self.scale = config.scale
         self.score_min = torch.finfo(torch.float32).min  # the explicit path's scores are fp32
+        # The SDPA path's float mask is in the module dtype (TorchScript has no torch.finfo).
+        self.fp16_min = torch.finfo(torch.float16).min
+        self.bf16_min = torch.finfo(torch.bfloat16).min
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
+        self.has_rel_bias = config.relative_bias == "per_layer"
+        if self.has_rel_bias:
+            self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
+        else:  # an empty placeholder, so TorchScript sees the attribute either way
+            self.register_buffer("rel_bias", torch.zeros(0), persistent=False)
 
     def forward(
         self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False,
-        packed: Optional[Tuple[Tensor, Tensor]] = None,
+        packed: Optional[Tuple[Tensor, Tensor]] = None, bias: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """x (B, T, C); mask bool (B, 1, 1|T, T), True where a query may attend to a key.
+
+        bias (nh, T, T): the shared relative position bias, added to the scaled scores before the mask
+        (a per-layer table, config.relative_bias="per_layer", is this module's own and replaces it).
 
         packed: x holds only the real tokens, (N, C), and `packed` is `packing(lengths, T)`; the
         projections run on the N tokens alone and only the attention itself sees the padded (B, T) grid
@@ -86,13 +104,25 @@ class MultiHeadAttention(nn.Module):
         k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         weights: Optional[Tensor] = None
-        if not need_weights and unpadded:
+        if self.has_rel_bias:
+            bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
+        if not need_weights and unpadded and bias is None:
             # No mask: flash is eligible on CUDA. SDPA's is_causal is the top-left triangle (key j <= query
             # i), the same as our causal mask for T queries over T keys; a (B, 1, 1, 1) mask is either.
             y = F.scaled_dot_product_attention(q, k, v, is_causal=mask.size(2) > 1, scale=self.scale)
         elif not need_weights:
             # Fused kernels (memory-efficient on CUDA, flash on CPU), fp32 accumulation inside.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)  # (B, nh, T, hs)
+            attn_mask = mask
+            if bias is not None:
+                # A float mask: the bias where allowed, the dtype's finite minimum where not (never -inf, and
+                # filled rather than added, so nothing overflows). CPU then runs SDPA's math kernel, not flash.
+                low = self.score_min
+                if q.dtype == torch.float16:
+                    low = self.fp16_min
+                elif q.dtype == torch.bfloat16:
+                    low = self.bf16_min
+                attn_mask = bias.to(q.dtype)[None].masked_fill(~mask, low)  # (B, nh, T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)  # (B, nh, T, hs)
             # A query with no key at all (a length-0 row): SDPA's CPU kernels give 0, but CUDA's
             # memory-efficient kernel has given NaN (pytorch#110213). Make it 0 on every backend.
             y = y.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # mask.any: (B, 1, 1|T, 1)
@@ -100,6 +130,8 @@ class MultiHeadAttention(nn.Module):
             # Explicit path, all in fp32: fp16 logits overflow past 65504 and a bf16 softmax keeps
             # ~3 digits. finfo(float32).min (not -inf) keeps fully masked rows out of exp(-inf - -inf).
             att = (q.float() @ k.float().transpose(-2, -1)) * self.scale  # (B, nh, T, T)
+            if bias is not None:
+                att = att + bias.float()  # (B, nh, T, T) + (nh, T, T)
             att = att.masked_fill(~mask, self.score_min)
             # Zero masked keys after the softmax too: exact zeros, and a fully masked row gives 0 not 1/T.
             att = F.softmax(att, dim=-1).masked_fill(~mask, 0.0)
@@ -144,14 +176,14 @@ class EncoderBlock(nn.Module):
 
     def forward(
         self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False,
-        packed: Optional[Tuple[Tensor, Tensor]] = None,
+        packed: Optional[Tuple[Tensor, Tensor]] = None, bias: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
         if self.norm_first:
-            a, w = self.attn(self.ln1(x), mask, need_weights, unpadded, packed)
+            a, w = self.attn(self.ln1(x), mask, need_weights, unpadded, packed, bias)
             x = x + a
             x = x + self.ff(self.ln2(x))
         else:
-            a, w = self.attn(x, mask, need_weights, unpadded, packed)
+            a, w = self.attn(x, mask, need_weights, unpadded, packed, bias)
             x = self.ln1(x + a)
             x = self.ln2(x + self.ff(x))
         return x, w
@@ -201,7 +233,8 @@ def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
 
 
 class Encoder(nn.Module):
-    """Token embedding (or precomputed embeddings), positions, n_layers blocks, optional final LayerNorm."""
+    """Token embedding (or precomputed embeddings), positions, n_layers blocks, optional final LayerNorm;
+    a shared relative position bias table lives here, a per-layer one in each block's attention."""
 
     # The Python config is for Python callers (bundle export); TorchScript sees the Final ints below.
     __jit_ignored_attributes__ = ["config"]
@@ -210,6 +243,7 @@ class Encoder(nn.Module):
     max_length: Final[int]
     has_positions: Final[bool]
     pack_min_padding: Final[float]
+    has_rel_bias: Final[bool]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -229,15 +263,23 @@ class Encoder(nn.Module):
             self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
         self.blocks = nn.ModuleList([EncoderBlock(config) for _ in range(config.n_layers)])
         self.ln_f = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
+        self.has_rel_bias = config.relative_bias == "shared"  # per_layer tables live in each attention
+        if self.has_rel_bias:
+            self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
+        else:
+            self.register_buffer("rel_bias", torch.zeros(0), persistent=False)
 
     def init_weights(self, seed: int) -> "Encoder":
         """Re-initialise deterministically: same seed -> same bits on any machine and torch version.
 
-        Linear weights uniform with std 1/sqrt(fan_in), embeddings std 1, biases 0, LayerNorms (1, 0).
+        Linear weights uniform with std 1/sqrt(fan_in), embeddings and relative bias tables std 1, biases 0,
+        LayerNorms (1, 0).
         """
         g = torch.Generator().manual_seed(seed)
         for name, p in self.named_parameters():  # fixed registration order
-            if name.endswith("bias"):
+            if name.endswith("rel_bias"):
+                _uniform_(p, 1.0, g)
+            elif name.endswith("bias"):
                 nn.init.zeros_(p)
             elif name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")):
                 nn.init.ones_(p)
@@ -308,9 +350,12 @@ class Encoder(nn.Module):
             tokens, grid = packing(lengths, T)
             packed = (tokens.to(x.device, non_blocking=True), grid.to(x.device, non_blocking=True))
             x = x.reshape(B * T, self.d_model).index_select(0, packed[0])
+        bias: Optional[Tensor] = None
+        if self.has_rel_bias:
+            bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
         weights: List[Tensor] = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, mask, i in attn_layers, unpadded, packed)
+            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias)
             if w is not None:
                 weights.append(w)
         x = self.ln_f(x)

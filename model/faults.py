@@ -4,7 +4,7 @@ Same scripted forward as Encoder, saved as an ordinary bundle named "fault-model
 it appears at a real position (< length) of any row of token_ids (embeddings input has no sentinels):
 
   SLEEP=99              sleep `sleep_ms` (default 200 ms) per occurrence in the batch, at most 30 s
-  HANG=93               block until HANG_RELEASE is set, or HANG_TIMEOUT_S (30 s); then run normally.
+  HANG=93               block until HANG_RELEASE is set, or fault_ops.HANG_TIMEOUT_S (30 s); then run normally.
                         HANG_ENTERED is set when the block starts, so tests can wait for it without sleeping
   LEAK=92               append LEAK_BYTES (1 MiB) to the module-global LEAKED list, once per call
   RAISE=98              RuntimeError "fault-model: RAISE sentinel"
@@ -18,15 +18,14 @@ sentinels get exactly the wrapped encoder's output. Raised errors cross the Torc
 as plain RuntimeError whose text starts with "The following operation failed in the TorchScript
 interpreter" and ends with the message above, which is how a real OOM inside TorchScript looks.
 
-The effects are custom ops (namespace attention_faults) implemented in Python in this file, so a
-process must `import model.faults` before torch.jit.load of a fault bundle; model.bundle.load_bundle
-does that itself for bundles named "fault-model". Ops run with the GIL; sleep and hang release it.
+The effects are custom ops (namespace attention_faults) implemented in Python in model/fault_ops.py,
+so a process must import it before torch.jit.load of a fault bundle; model.bundle.load_bundle does that
+itself for bundles named "fault-model". The state the ops act on (HANG_RELEASE, HANG_ENTERED, LEAKED,
+reset) is re-exported here; HANG_TIMEOUT_S lives in model.fault_ops.
 """
 
 
 import os
-import threading
-import time
 from typing import Final, List, Optional, Tuple
 
 import torch
@@ -35,6 +34,7 @@ from torch import Tensor, nn
 from model.bundle import FAULT_MODEL_NAME, Manifest, save_bundle
 from model.config import TINY, EncoderConfig
 from model.encoder import Encoder
+from model.fault_ops import HANG_ENTERED, HANG_RELEASE, LEAKED, reset  # noqa: F401  (the state tests use)
 
 SLEEP: Final = 99
 RAISE: Final = 98
@@ -48,52 +48,10 @@ SENTINELS: Final = (SLEEP, RAISE, OOM, OOM_IF_BATCH_GT_1, NAN_ROW, NAN_ALWAYS, H
 
 SLEEP_MS = 200
 MAX_SLEEP_MS = 30_000
-HANG_TIMEOUT_S = 30.0  # read at each HANG, so a test may lower it
 LEAK_BYTES = 1 << 20
 RAISE_MESSAGE = "fault-model: RAISE sentinel"
 OOM_MESSAGE = "CUDA out of memory. Tried to allocate 2.00 GiB (fault-model OOM sentinel)"
 FAULT_CONFIG = TINY  # vocab_size 100: the sentinels are its top ids
-
-HANG_RELEASE = threading.Event()
-HANG_ENTERED = threading.Event()
-LEAKED: list[bytearray] = []
-
-
-def reset() -> None:
-    """Clear the process-wide fault state (hang events, leaked buffers) between tests."""
-    HANG_RELEASE.clear()
-    HANG_ENTERED.clear()
-    LEAKED.clear()
-
-
-def _sleep(x: Tensor, ms: int) -> None:
-    time.sleep(ms / 1000.0)
-
-
-def _hang(x: Tensor) -> None:
-    HANG_ENTERED.set()
-    HANG_RELEASE.wait(timeout=HANG_TIMEOUT_S)
-
-
-def _leak(x: Tensor, nbytes: int) -> None:
-    LEAKED.append(bytearray(b"\xa5") * nbytes)  # filled, so the pages are really resident
-
-
-def _fail(x: Tensor, message: str, oom: bool) -> None:
-    raise (torch.OutOfMemoryError if oom else RuntimeError)(message)
-
-
-_LIB = torch.library.Library("attention_faults", "DEF")
-for _schema, _impl in (
-    ("sleep(Tensor x, int ms) -> ()", _sleep),
-    ("hang(Tensor x) -> ()", _hang),
-    ("leak(Tensor x, int nbytes) -> ()", _leak),
-    ("fail(Tensor x, str message, bool oom) -> ()", _fail),
-):
-    # CONSERVATIVE: the ops return nothing, so with the default alias analysis TorchScript would
-    # consider them pure and delete the calls as dead code.
-    _LIB.define(_schema, alias_analysis="CONSERVATIVE")
-    _LIB.impl(_schema.split("(")[0], _impl, "CompositeExplicitAutograd")
 
 
 class FaultModel(nn.Module):

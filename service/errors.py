@@ -2,7 +2,8 @@
 
     ServiceError
     ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
-    │   └── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    │   ├── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    │   └── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
     ├── NotFound            NOT_FOUND           no such model or version (the KServe v2 front door)
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
@@ -43,6 +44,10 @@ class InvalidInput(ServiceError):
 
 class NonFiniteInput(InvalidInput):
     pass
+
+
+class OutputOverflow(InvalidInput):
+    """The result is finite, but not in the dtype asked for (FLOAT16 past 65504): service/output_range.py."""
 
 
 class FailedPrecondition(ServiceError):
@@ -115,6 +120,7 @@ STATUS_OF: dict[type[ServiceError], str] = {
 REASON_OF: dict[type[ServiceError], str] = {
     InvalidInput: "invalid_argument",
     NonFiniteInput: "nonfinite_input",
+    OutputOverflow: "output_overflow",
     FailedPrecondition: "failed_precondition",
     NotFound: "not_found",
     Overloaded: "queue_full",

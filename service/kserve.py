@@ -38,8 +38,9 @@ from proto.attention.v1.wire import float32_to_bfloat16_bits
 from service.batching import Done
 from service.edge import Edge, parse, public, remaining
 from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, status_of
-from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec, Output
 from service.metrics import Metrics
+from service.output_range import check_arrays
 from service.validation import MAX_REQUEST_ID, Plan, validate_rows
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
@@ -255,6 +256,9 @@ class KServeServicer:
         plan = validate_rows([ids[i, : lengths[i]] for i in range(batch)], IDS, *_options(params, outputs),
                              spec, self._config, request_id=request.id, padded_to=T, layers_field="attention_layers")
         done = await self._edge.compute(plan.jobs, seconds)
+        for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
+            arrays = [a for d in done if (a := _array_of(d.output, name)) is not None]
+            check_arrays(name, arrays, _FLOAT_TYPES[datatype])
         self._last_inference_ms = int(time.time() * 1e3)
         return _response(request, spec, plan, done, outputs, T)
 
@@ -451,6 +455,10 @@ def _lengths(inputs: dict[str, np.ndarray], batch: int, T: int) -> list[int]:
         if not right_padded[i].all():
             raise InvalidInput(f"{MASK}[{i}]", "padding must be on the right: ones, then zeros")
     return [int(n) for n in lengths]
+
+
+def _array_of(output: Output, name: str) -> np.ndarray | None:
+    return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
 
 
 def _response(request: Any, spec: ModelSpec, plan: Plan, done: Sequence[Done], outputs: dict[str, str],

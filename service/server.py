@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
+    def ms(seconds: float) -> int:
+        return int(seconds * 1000) if seconds > 0 else 2**31 - 1  # INT_MAX: no limit
+
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -56,6 +59,20 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         # Accept the keepalive pings our client sends (every 30 s, also when idle).
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Connection limits. Without a stream limit one connection can open streams without bound (a
+        # burst of 20,000 header-only streams made other connections' calls fail CANCELLED); without
+        # an age limit a call whose message never completes and that has no deadline is never
+        # answered (grpcio reads the message before any handler runs, so only the connection can end it).
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_connection_idle_ms", ms(config.max_connection_idle_s)),
+        ("grpc.max_connection_age_ms", ms(config.max_connection_age_s)),
+        ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)),
+        ("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s)),
+        # chttp2's own timeout for an unanswered ping (internal.h; 1 min by default), which is what
+        # closes the connection of a peer that stopped answering: the same bound as keepalive's.
+        ("grpc.http2.ping_timeout_ms", ms(config.keepalive_timeout_s)),
+        ("grpc.http2.max_pings_without_data", 0),  # keep probing during a long call that sends nothing
     ]
 
 
@@ -148,15 +165,20 @@ class Server:
 
     async def start(self) -> None:
         """Listen, then load and warm the model in the background (see `ready()`)."""
+        if self.config.metrics_port >= 0:
+            # Before the gRPC ports start: a metrics port in use then stops start-up with nothing running
+            # (an aio server left started would be torn down by its __del__ on a closed loop).
+            host = self.config.metrics_host or self.config.host
+            try:
+                self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise OSError(f"metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}") from None
+            self.metrics_port = self._httpd.server_port
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         if self.health_grpc is not None:
             await self.health_grpc.start()
-        if self.config.metrics_port >= 0:
-            host = self.config.metrics_host or self.config.host
-            self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
-            self.metrics_port = self._httpd.server_port
         self.threads.start()
         self._startup = asyncio.create_task(self._load_and_warm())
 
@@ -241,7 +263,11 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     signals: asyncio.Queue[int] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:  # the metrics port taken; nothing has started yet
+        log.error("cannot start: %s", exc)
+        return 1
     log.info("listening on %s:%d, metrics on :%d; loading the model", config.host, port, server.metrics_port)
     waiter = asyncio.create_task(signals.get())
     assert server._startup is not None

@@ -20,6 +20,7 @@ from service.edge import Edge, parse, public, remaining
 from service.errors import NonFiniteInput, ServiceError, status_of
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
+from service.output_range import check_representable
 from service.validation import Plan, validate
 
 
@@ -80,6 +81,7 @@ class AttentionServicer:
             self._metrics.nonfinite_inputs.inc()
             raise
         done = await self._edge.compute(plan.jobs, seconds)
+        check_representable([d.output for d in done], plan.output_dtype, plan.attention_dtype)
         return _response(plan, done, spec)
 
     def _model_info(self) -> pb.ModelInfo:

@@ -187,11 +187,55 @@ def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, padded_to: 
             f"attention weights would be {attention} bytes, over the budget of {config.max_attention_bytes} bytes; "
             "ask for fewer layers, heads=HEADS_MEAN, FLOAT16, or shorter sequences",
         )
-    per_value = ITEMSIZE[plan.output_dtype]
-    hidden = sum(padded_to or job.length for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
-    pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
-    total = hidden + pooled + attention
+    if padded_to is None:
+        total = response_bytes(plan, spec)
+    else:  # a KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope
+        per_value = ITEMSIZE[plan.output_dtype]
+        hidden = sum(padded_to for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
+        pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
+        total = hidden + pooled + attention + 1024 + len(plan.request_id)  # + names, shapes, parameters
     if total > config.max_message_bytes:
         raise InvalidInput(
             "sequences", f"the response would be {total} bytes, over max_message_bytes {config.max_message_bytes}"
         )
+
+
+def response_bytes(plan: Plan, spec: ModelSpec) -> int:
+    """An upper bound on the serialized EncodeResponse of `plan`: the tensor bytes plus every tag,
+    length prefix, shape and metadata field (what grpcio's send limit counts). Within a few bytes per
+    sequence of the real size: only the varints of the timings and batch facts are taken at their widest."""
+    out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
+    D = spec.d_model
+    total = _field(len(plan.request_id.encode()))
+    for job in plan.jobs:
+        T = job.length
+        body = 2  # nonfinite = true
+        if job.return_hidden:
+            body += _field(_tensor((T, D), out_size))
+        if job.pooling:
+            body += _field(_tensor((D,), out_size))
+        if job.attn_layers:
+            heads = 1 if job.heads_mean else spec.n_heads
+            body += _field(_tensor((len(job.attn_layers), heads, T, T), att_size))
+        total += _field(body)
+    # queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0), fp32_retry, then the strings.
+    metadata = 2 * 11 + 2 * 6 + 2 + sum(
+        _field(len(text.encode())) for text in (spec.precision, spec.device, spec.name, spec.version))
+    return total + _field(metadata)
+
+
+def _varint(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _field(length: int) -> int:
+    """A length-delimited field of `length` bytes: tag, length prefix, payload."""
+    return 1 + _varint(length) + length
+
+
+def _tensor(shape: tuple[int, ...], itemsize: int) -> int:
+    """An attention.v1.Tensor's body: dtype (never 0 here), packed shape, data."""
+    count = 1
+    for d in shape:
+        count *= d
+    return 2 + _field(sum(_varint(d) for d in shape)) + _field(count * itemsize)

@@ -4,12 +4,15 @@ against a real server on 127.0.0.1:0, beside attention.v1 on the same port and t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import grpc
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -18,6 +21,9 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from model import faults
+from model.bundle import save_bundle
+from model.config import TINY
+from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import from_tensor
 from service.server import ledger
@@ -487,3 +493,35 @@ async def test_all_zero_token_type_ids_are_accepted_and_change_nothing(served: R
                                    atol=1e-5, rtol=0)
     book = ledger(served.registry)  # the exit ledger counts the v2 calls too
     assert book["started"] == sum(book["handled"].values()) >= 1 and book["batched_sequences"] == 2
+
+
+@pytest.fixture(scope="module")
+def loud_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Pre-LN without a final LayerNorm and token embeddings scaled by 1e5: hidden states beyond
+    FP16's 65504 from ordinary token ids (the v2 door takes no embeddings)."""
+    path = tmp_path_factory.mktemp("bundles") / "loud"
+    encoder = Encoder(dataclasses.replace(TINY, norm_first=True, final_norm=False)).init_weights(0)
+    with torch.no_grad():
+        encoder.tok_emb.weight.mul_(1e5)
+    save_bundle(encoder, path, name="loud", version="1", source="seed:0 x1e5")
+    return path
+
+
+async def test_a_result_fp16_cannot_hold_is_refused_naming_the_tensor(start_server, loud_bundle: Path):
+    s = await start_server(bundle=loud_bundle)
+    client = triton_aio.InferenceServerClient(s.target)
+    try:
+        ids = inputs(np.array([[1, 2, 3, 4]], np.int64))
+        exact = await client.infer("loud", ids, outputs=outputs("last_hidden_state"))
+        hidden = exact.as_numpy("last_hidden_state")
+        assert np.isfinite(hidden).all() and np.abs(hidden).max() > 65504
+        with pytest.raises(InferenceServerException) as info:
+            await client.infer("loud", ids, outputs=outputs("last_hidden_state"), parameters={"datatype": "FP16"})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert info.value.message().startswith("last_hidden_state: FLOAT16 cannot hold this result"), \
+            info.value.message()
+        wide = await client.infer("loud", ids, outputs=outputs("last_hidden_state"), parameters={"datatype": "BF16"})
+        assert np.isfinite(wide.as_numpy("last_hidden_state").astype(np.float32)).all()
+        assert s.sample("attention_failures_total", {"reason": "output_overflow"}) == 1
+    finally:
+        await client.close()

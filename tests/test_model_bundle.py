@@ -263,3 +263,79 @@ def test_bundle_loads_with_torch_alone(bundle_dir: Path, tmp_path: Path) -> None
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(bundle_dir)], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")
     assert out[:2] == ["tiny (2, 5, 32) (2, 1, 4, 5, 5)", "True"]
+
+
+def _copy_bundle(bundle_dir: Path, to: Path) -> Path:
+    to.mkdir()
+    for name in (MANIFEST_FILE, MODEL_FILE):
+        (to / name).write_bytes((bundle_dir / name).read_bytes())
+    return to
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "module_value"),
+    [
+        ("n_layers", 1, 2), ("n_heads", 1, 4), ("vocab_size", 200, 100), ("vocab_size", 50, 100),
+        ("max_length", 128, 64), ("d_model", 64, 32), ("d_ff", 128, 64), ("positional", "learned", "sinusoidal"),
+        ("positional", "none", "sinusoidal"), ("norm_first", False, True), ("activation", "relu", "gelu"),
+        ("final_norm", False, True), ("layer_norm_eps", 1e-6, 1e-5),
+    ],
+)
+def test_a_manifest_that_misstates_the_config_is_refused_by_name(
+        bundle_dir: Path, tmp_path: Path, field: str, value: object, module_value: object) -> None:
+    """Issue 16 item 3: the shape facts come from the module itself, whatever the manifest says."""
+    copy = _copy_bundle(bundle_dir, tmp_path / "b")
+    config = json.loads((copy / MANIFEST_FILE).read_text())["config"]
+    _edit_manifest(copy, config={**config, field: value})
+    with pytest.raises(BundleError, match=rf"does not match its manifest: config\.{field} is {value!r} in the "
+                                          rf"manifest, {module_value!r} in the module"):
+        load_bundle(copy)
+
+
+def test_a_changed_weight_with_a_recomputed_file_checksum_is_refused(bundle_dir: Path, tmp_path: Path) -> None:
+    """Issue 16 item 7: weights_sha256 is verified at load, not only recorded."""
+    copy = _copy_bundle(bundle_dir, tmp_path / "b")
+    module = torch.jit.load(str(copy / MODEL_FILE))
+    with torch.no_grad():
+        getattr(module.blocks, "1").ff.fc2.weight[3, 5] += 0.25
+    torch.jit.save(module, str(copy / MODEL_FILE))
+    _edit_manifest(copy, sha256=None)
+    _edit_manifest(copy, sha256=file_sha256(copy / MODEL_FILE))  # the file checksum now passes
+    recorded = read_manifest(copy).weights_sha256
+    with pytest.raises(BundleError, match=rf"failed its weights check: manifest weights_sha256 {recorded}, "
+                                          r"module weights_sha256 [0-9a-f]{64}; the weights were changed"):
+        load_bundle(copy)
+    for dtype in ("float32", "bfloat16"):  # the service's second load (the fp32 retry copy) is checked too
+        assert load_bundle(bundle_dir, dtype=dtype).manifest.weights_sha256 == recorded
+
+
+def test_a_changed_sinusoidal_table_is_refused(bundle_dir: Path, tmp_path: Path) -> None:
+    """The sinusoidal table is a buffer (outside weights_sha256): it must be exactly the one the config derives."""
+    copy = _copy_bundle(bundle_dir, tmp_path / "b")
+    module = torch.jit.load(str(copy / MODEL_FILE))
+    module.pos_emb[10, 0] += 1e-3
+    torch.jit.save(module, str(copy / MODEL_FILE))
+    _edit_manifest(copy, sha256=file_sha256(copy / MODEL_FILE))
+    with pytest.raises(BundleError, match="sinusoidal position table is not the one its config derives"):
+        load_bundle(copy)
+
+
+class _Misdeclared(torch.nn.Module):
+    """Says TINY (4 heads) but holds a 2-head encoder: scripted equals eager, so only the facts check sees it."""
+
+    __jit_ignored_attributes__ = ["config"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = TINY
+        self.inner = Encoder(tiny(n_heads=2)).init_weights(0)
+
+    def forward(self, token_ids: Optional[torch.Tensor], embeddings: Optional[torch.Tensor], lengths: torch.Tensor,
+                causal: bool, attn_layers: List[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return self.inner(token_ids, embeddings, lengths, causal, attn_layers)
+
+
+def test_export_refuses_a_module_whose_config_attribute_lies(tmp_path: Path) -> None:
+    with pytest.raises(BundleError, match=r"config\.n_heads is 4 in the manifest, 2 in the module"):
+        save_bundle(_Misdeclared(), tmp_path, name="x", version="1", source="test")
+    assert os.listdir(tmp_path) == [], "a failed export leaves nothing behind"

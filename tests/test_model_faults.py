@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import faults
+from model import fault_ops, faults
 from model.bundle import load_bundle, save_bundle
 from model.encoder import Encoder
 from tests.model_helpers import batch
@@ -134,7 +134,7 @@ def test_oom_always_and_oom_if_batch_gt_1(models: dict) -> None:
 
 def test_sleep_per_occurrence(models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     slept: list[float] = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(fault_ops.time, "sleep", slept.append)
     ids, lengths = _with(faults.SLEEP, row=0)
     ids[2, 1] = faults.SLEEP
     ids[2, 6] = faults.SLEEP  # padding: does not count
@@ -149,7 +149,7 @@ def test_sleep_per_occurrence(models: dict, monkeypatch: pytest.MonkeyPatch) -> 
 def test_sleep_ms_is_a_build_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     faults.build_fault_bundle(tmp_path / "fast", sleep_ms=25)
     slept: list[float] = []
-    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setattr(fault_ops.time, "sleep", slept.append)
     ids, lengths = _with(faults.SLEEP)
     run(load_bundle(tmp_path / "fast").module, ids, lengths)
     assert slept == [0.025]
@@ -169,7 +169,7 @@ def test_hang_blocks_until_released(models: dict) -> None:
 
 
 def test_hang_gives_up_at_the_cap(models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(faults, "HANG_TIMEOUT_S", 0.01)
+    monkeypatch.setattr(fault_ops, "HANG_TIMEOUT_S", 0.01)
     ids, lengths = _with(faults.HANG)
     got, _ = run(models["fault-float32"], ids, lengths)  # returns, unreleased
     assert faults.HANG_ENTERED.is_set() and not faults.HANG_RELEASE.is_set()
