@@ -5,7 +5,16 @@ Defaults match the server (DESIGN.md, RELIABILITY.md rows 12, 17, 36):
 - keepalive pings every 30 s, also when idle, with a 10 s timeout (the server permits one per 10 s);
 - a retry policy on the AttentionService methods for UNAVAILABLE and RESOURCE_EXHAUSTED, with
   exponential backoff; health checks are not retried, so a probe answers fast;
-- `round_robin` over every address a target resolves to (several targets, or a `dns:///` name).
+- `round_robin` over every address a target resolves to (several targets, or a `dns:///` name, e.g.
+  a headless Kubernetes Service), with gRPC's client-side health checking: each address is watched
+  (`grpc.health.v1.Health/Watch`) on the readiness name `attention.v1.AttentionService`, and only
+  SERVING ones get calls, so a warming or draining replica leaves the rotation before it refuses calls.
+  A server that does not implement Watch (UNIMPLEMENTED) is treated as healthy. This is on for
+  several addresses and `dns:` names, and off for one `host:port` (`wants_health_check`): behind a
+  proxy such as Envoy, the proxy health-checks the replicas, and a Watch through it would report
+  whichever replica it reached, taking the proxy itself out of rotation when that one drains. Health checks
+  themselves go over a second channel without it (`HEALTH_PROBE_OPTIONS`), so that `health()` reaches
+  a NOT_SERVING server and reports NOT_SERVING rather than failing with "backend unhealthy".
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the server's default --max-message-bytes
 
 ChannelOptions = list[tuple[str, Any]]
+# For the channel that asks servers their health: it must reach a NOT_SERVING server.
+HEALTH_PROBE_OPTIONS: ChannelOptions = [("grpc.inhibit_health_checking", 1)]
 
 
 @dataclass(frozen=True)
@@ -81,9 +92,12 @@ class TLS:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
 
-def service_config(retry: RetryPolicy | None = DEFAULT_RETRY) -> str:
-    """The service config JSON: round_robin balancing, and the retry policy on AttentionService."""
+def service_config(retry: RetryPolicy | None = DEFAULT_RETRY, *, health_check: bool = True) -> str:
+    """The service config JSON: round_robin balancing, over the addresses whose readiness is SERVING
+    with `health_check` (client-side health checking), and the retry policy on AttentionService."""
     config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if health_check:
+        config["healthCheckConfig"] = {"serviceName": SERVICE}
     if retry is not None:
         config["methodConfig"] = [{
             "name": [{"service": SERVICE}],
@@ -98,9 +112,22 @@ def service_config(retry: RetryPolicy | None = DEFAULT_RETRY) -> str:
     return json.dumps(config)
 
 
+def wants_health_check(target: str) -> bool:
+    """Client-side health checking by default: for several addresses (`ipv4:a,b`) and `dns:` names,
+    where the client itself balances over servers, not for one `host:port` (a server or a proxy)."""
+    if target.startswith("dns:"):
+        return True
+    if target.startswith(("ipv4:", "ipv6:")):
+        return "," in target
+    return False
+
+
 def channel_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry: RetryPolicy | None = DEFAULT_RETRY,
-                    tls: TLS | None = None, extra: Sequence[tuple[str, Any]] = ()) -> ChannelOptions:
-    """Channel arguments for `grpc.[aio.]{insecure,secure}_channel`; `extra` entries win."""
+                    tls: TLS | None = None, health_check: bool = False,
+                    extra: Sequence[tuple[str, Any]] = ()) -> ChannelOptions:
+    """Channel arguments for `grpc.[aio.]{insecure,secure}_channel`; `extra` entries win. The clients
+    pass `health_check=wants_health_check(target)`; off by default here, so a channel built from
+    these options reaches a NOT_SERVING server unless asked otherwise."""
     options: ChannelOptions = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -112,7 +139,7 @@ def channel_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry
         # grpc's default (2) stops the pings of an idle channel after two; keep them going.
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 1 if retry is not None else 0),
-        ("grpc.service_config", service_config(retry)),
+        ("grpc.service_config", service_config(retry, health_check=health_check)),
     ]
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))

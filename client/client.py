@@ -9,6 +9,7 @@ Failed calls raise `client.errors.ClientError` subclasses, never a raw `grpc.Rpc
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -20,6 +21,7 @@ from client.channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RETRY,
     DEFAULT_TIMEOUT_S,
+    HEALTH_PROBE_OPTIONS,
     TLS,
     RetryPolicy,
     call_metadata,
@@ -27,6 +29,7 @@ from client.channel import (
     open_aio_channel,
     open_sync_channel,
     resolve_target,
+    wants_health_check,
 )
 from client.errors import ClientError, InvalidArgument, error_for, from_rpc_error
 from client.messages import (
@@ -44,6 +47,8 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
 
 SERVING_STATUS = health_pb2.HealthCheckResponse.ServingStatus
+DEFAULT_STREAM_REOPENS = 5
+REOPEN_BACKOFF_S = 0.05
 # The generated *_pb2_grpc module is untyped; its stubs are used as Any.
 _stubs: Any = attention_pb2_grpc
 
@@ -53,14 +58,19 @@ class _Base:
 
     def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, tls: TLS | None = None,
                  token: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = ()) -> None:
+                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = (),
+                 health_check: bool | None = None) -> None:
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds; got {timeout}")
         self.target = resolve_target(target)
         self.timeout = timeout
         self._tls = tls
         self._metadata = call_metadata(token)
-        self._options = channel_options(max_message_bytes=max_message_bytes, retry=retry, tls=tls, extra=options)
+        if health_check is None:
+            health_check = wants_health_check(self.target)
+        self._options = channel_options(max_message_bytes=max_message_bytes, retry=retry, tls=tls,
+                                        health_check=health_check, extra=options)
+        self._probe_options = [*self._options, *HEALTH_PROBE_OPTIONS]
         self._max_message_bytes = max_message_bytes
 
     def _request(self, sequences: Sequences, options: EncodeOptions, request_id: str) -> pb.EncodeRequest:
@@ -104,15 +114,20 @@ class EncoderClient(_Base):
     deadline of every call, in seconds. `tls` turns on TLS (mutual with a client certificate);
     `token` is sent as `authorization: Bearer <token>`. `retry=None` switches gRPC retries off.
     `options` are extra channel arguments, e.g. `[("grpc.keepalive_time_ms", 60000)]`.
+    `health_check`: send calls only to addresses whose readiness is SERVING (gRPC client-side health
+    checking); by default on for several addresses and `dns:` names, off for one host:port. Pass
+    False for a `dns:` name of a proxy (Envoy health-checks the replicas behind it).
     """
 
     def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, tls: TLS | None = None,
                  token: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = ()) -> None:
+                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = (),
+                 health_check: bool | None = None) -> None:
         super().__init__(target, timeout=timeout, tls=tls, token=token, max_message_bytes=max_message_bytes,
-                         retry=retry, options=options)
+                         retry=retry, options=options, health_check=health_check)
         # Opened on first use: a grpc.aio channel belongs to the event loop it is created in.
         self._channel: grpc.aio.Channel | None = None
+        self._probe_channel: grpc.aio.Channel | None = None
         self._stub: Any = None
         self._health: Any = None
 
@@ -120,7 +135,11 @@ class EncoderClient(_Base):
         if self._channel is None:
             self._channel = open_aio_channel(self.target, self._tls, self._options)
             self._stub = _stubs.AttentionServiceStub(self._channel)
-            self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _open_probe(self) -> None:
+        if self._probe_channel is None:
+            self._probe_channel = open_aio_channel(self.target, self._tls, self._probe_options)
+            self._health = health_pb2_grpc.HealthStub(self._probe_channel)
 
     async def __aenter__(self) -> Self:
         self._open()
@@ -135,6 +154,9 @@ class EncoderClient(_Base):
         if self._channel is not None:
             channel, self._channel = self._channel, None
             await channel.close()
+        if self._probe_channel is not None:
+            probe, self._probe_channel = self._probe_channel, None
+            await probe.close()
 
     async def encode(self, sequences: Sequences, *, pooling: Pooling | None = None, return_hidden: bool = True,
                      output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
@@ -185,8 +207,9 @@ class EncoderClient(_Base):
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """`grpc.health.v1` status of `service` ("" = the process, "attention.v1.AttentionService" =
         ready to encode): "SERVING", "NOT_SERVING", or "SERVICE_UNKNOWN" for a name the server
-        does not know. An unreachable server raises `Unavailable`."""
-        self._open()
+        does not know. An unreachable server raises `Unavailable`. Asked over a channel of its own
+        without client-side health checking, which would hide a NOT_SERVING server."""
+        self._open_probe()
         request = health_pb2.HealthCheckRequest(service=service)
         try:
             response = await self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)
@@ -197,48 +220,133 @@ class EncoderClient(_Base):
         return _health_status(response)
 
     async def encode_stream(self, requests: AsyncIterable[StreamRequest] | Iterable[StreamRequest], *,
-                            timeout: float | None = None) -> AsyncIterator[EncodeResult | ClientError]:
-        """Send requests over one bidirectional stream; yield one item per request, in completion
+                            timeout: float | None = None,
+                            max_reopens: int = DEFAULT_STREAM_REOPENS) -> AsyncIterator[EncodeResult | ClientError]:
+        """Send requests over a bidirectional stream; yield one item per request, in completion
         order: an `EncodeResult`, or the `ClientError` of a request that failed (its
         `request_id` set; the stream goes on). `timeout` bounds the whole stream. A failure of
         the stream itself raises; so does a request the client cannot build (`InvalidArgument`)
-        or an error of `requests` itself, after the requests sent before it have been answered."""
+        or an error of `requests` itself, after the requests sent before it have been answered.
+
+        A stream is one HTTP/2 stream, pinned to one server (a balancer cannot move or retry it once
+        answers flow). When that server drains (it answers a request UNAVAILABLE) or the stream breaks
+        with UNAVAILABLE (the server crashed, a proxy lost it), the stream is reopened, up to
+        `max_reopens` times (0: never), where the channel's balancer sends it, and the requests that
+        got no answer are sent again. Encoding is idempotent, so the caller sees each request answered
+        exactly once and no error from a drain or a crash. Request ids must be unique among the
+        requests not yet answered (an empty id is replaced by the request's index). To spread one
+        caller's load over several servers, open several streams."""
+        if max_reopens < 0:
+            raise ValueError(f"max_reopens must be >= 0; got {max_reopens}")
         self._open()
-
+        end = asyncio.get_running_loop().time() + self._deadline(timeout)
+        # One task reads the caller's requests for every stream in turn: a stream that is stopped
+        # must not cancel (and so close) the caller's generator.
+        queue: asyncio.Queue[pb.EncodeRequest | None] = asyncio.Queue(maxsize=1)
         failure: list[Exception] = []
+        pending: dict[str, pb.EncodeRequest] = {}  # sent, not yet answered, in sending order
+        ended = False  # the caller's requests are all taken
 
-        async def messages() -> AsyncIterator[pb.EncodeRequest]:
+        async def pump() -> None:
             index = 0
             try:
                 if isinstance(requests, AsyncIterable):
                     async for item in requests:
-                        yield self._request(item.sequences, item.options, item.request_id or str(index))
+                        await queue.put(self._request(item.sequences, item.options, item.request_id or str(index)))
                         index += 1
                 else:
                     for item in requests:
-                        yield self._request(item.sequences, item.options, item.request_id or str(index))
+                        await queue.put(self._request(item.sequences, item.options, item.request_id or str(index)))
                         index += 1
             except Exception as exc:
                 # Raised inside grpc's sending task it would only cancel the call: end the request
                 # stream instead, let the requests already sent finish, then raise it to the caller.
                 failure.append(exc)
+            await queue.put(None)
 
-        call = self._stub.EncodeStream(messages(), timeout=self._deadline(timeout), metadata=self._metadata)
+        async def messages(resend: list[pb.EncodeRequest], draining: asyncio.Event) -> AsyncIterator[pb.EncodeRequest]:
+            nonlocal ended
+            for request in resend:
+                yield request
+            while not ended:
+                take = asyncio.ensure_future(queue.get())
+                stop = asyncio.ensure_future(draining.wait())
+                try:
+                    await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stop.cancel()
+                    if not take.done():
+                        take.cancel()  # a get cancelled before it returned takes nothing from the queue
+                if not take.done():
+                    return  # draining: half-close, so the server answers what it holds and ends
+                taken = take.result()
+                if taken is None:
+                    ended = True
+                    return
+                request = taken
+                if request.request_id in pending:
+                    failure.append(InvalidArgument(
+                        "INVALID_ARGUMENT", f"request_id {request.request_id!r} is already in flight on this "
+                        "stream; ids must be unique among unanswered requests", field="request_id"))
+                    ended = True
+                    return
+                pending[request.request_id] = request
+                if draining.is_set():  # taken as the drain was seen: keep it for the next stream
+                    return
+                yield request
+
+        pumping = asyncio.create_task(pump())
+        reopens = 0
         try:
-            async for response in call:
-                if response.HasField("error"):
-                    e = response.error
-                    yield error_for(e.code, e.message, field=e.field or None, request_id=response.request_id)
-                else:
-                    yield EncodeResult.from_proto(response)
-        except grpc.aio.AioRpcError as exc:
-            if failure:
-                raise failure[0] from exc
-            raise from_rpc_error(exc) from exc
+            while True:
+                draining = asyncio.Event()
+                remaining = end - asyncio.get_running_loop().time()
+                call = self._stub.EncodeStream(messages(list(pending.values()), draining),
+                                               timeout=max(remaining, 1e-3), metadata=self._metadata)
+                broken: grpc.aio.AioRpcError | None = None
+                try:
+                    async for response in call:
+                        if response.HasField("error"):
+                            e = response.error
+                            if e.code == "UNAVAILABLE" and max_reopens > 0:
+                                draining.set()  # this server is shutting down: send the rest elsewhere
+                                continue
+                            pending.pop(response.request_id, None)
+                            yield error_for(e.code, e.message, field=e.field or None, request_id=response.request_id)
+                        else:
+                            pending.pop(response.request_id, None)
+                            yield EncodeResult.from_proto(response)
+                except grpc.aio.AioRpcError as exc:
+                    if failure:
+                        raise failure[0] from exc
+                    if not _stream_broken(exc):
+                        raise from_rpc_error(exc) from exc
+                    broken = exc
+                finally:
+                    call.cancel()  # no-op once finished; stops the stream when the caller stops early
+                if ended and not pending:
+                    break
+                if reopens >= max_reopens:
+                    if broken is not None:
+                        raise from_rpc_error(broken) from broken
+                    raise error_for("UNAVAILABLE", f"the stream was moved {reopens} times and {len(pending)} "
+                                    "requests are still unanswered", request_id=next(iter(pending), ""))
+                reopens += 1
+                # Not at once: the balancer needs a moment to see the server that went away.
+                await asyncio.sleep(min(REOPEN_BACKOFF_S * 2 ** (reopens - 1), 1.0))
         finally:
-            call.cancel()  # no-op once finished; stops the stream when the caller stops early
+            pumping.cancel()
         if failure:
             raise failure[0]
+
+
+def _stream_broken(error: grpc.aio.AioRpcError) -> bool:
+    """The stream was lost rather than answered: UNAVAILABLE (the server went away or refused), or a
+    reset stream, which grpc reports as INTERNAL "RST_STREAM" and a proxy sends when the server
+    behind it dies mid-stream (no status came from the server itself)."""
+    code = error.code()
+    return code == grpc.StatusCode.UNAVAILABLE or (
+        code == grpc.StatusCode.INTERNAL and "RST_STREAM" in (error.details() or ""))
 
 
 class SyncEncoderClient(_Base):
@@ -247,12 +355,14 @@ class SyncEncoderClient(_Base):
 
     def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT_S, tls: TLS | None = None,
                  token: str | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = ()) -> None:
+                 retry: RetryPolicy | None = DEFAULT_RETRY, options: Sequence[tuple[str, Any]] = (),
+                 health_check: bool | None = None) -> None:
         super().__init__(target, timeout=timeout, tls=tls, token=token, max_message_bytes=max_message_bytes,
-                         retry=retry, options=options)
+                         retry=retry, options=options, health_check=health_check)
         self._channel = open_sync_channel(self.target, self._tls, self._options)
         self._stub = _stubs.AttentionServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._probe_channel: grpc.Channel | None = None
+        self._health: Any = None
 
     def __enter__(self) -> Self:
         return self
@@ -263,6 +373,8 @@ class SyncEncoderClient(_Base):
 
     def close(self) -> None:
         self._channel.close()
+        if self._probe_channel is not None:
+            self._probe_channel.close()
 
     def encode(self, sequences: Sequences, *, pooling: Pooling | None = None, return_hidden: bool = True,
                output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
@@ -290,6 +402,9 @@ class SyncEncoderClient(_Base):
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """See `EncoderClient.health`."""
+        if self._probe_channel is None:
+            self._probe_channel = open_sync_channel(self.target, self._tls, self._probe_options)
+            self._health = health_pb2_grpc.HealthStub(self._probe_channel)
         request = health_pb2.HealthCheckRequest(service=service)
         try:
             response = self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)

@@ -157,17 +157,22 @@ def _submodule(module: Any, path: str) -> Any:
     return module
 
 
+def _encoder_of(module: Any) -> tuple[str, Any]:
+    """(prefix, submodule) of the one encoder in `module`: the submodule holding `tok_emb.weight`."""
+    keys = [k for k, _ in module.named_parameters() if k.endswith("tok_emb.weight")]
+    if len(keys) != 1:
+        raise BundleError(f"cannot find one encoder (a tok_emb.weight parameter) in the module; found {keys}")
+    prefix = keys[0][: -len("tok_emb.weight")]
+    return prefix, _submodule(module, prefix.rstrip("."))
+
+
 def module_config_facts(module: Any) -> dict[str, Any]:
     """The EncoderConfig fields the module itself states, read from its parameters and TorchScript constants.
 
     Works on an eager Encoder and on a loaded (unfrozen) TorchScript one, alone or wrapped (the encoder
     is the submodule holding `tok_emb.weight`). Raises BundleError if the module is not shaped like one."""
-    keys = [k for k, _ in module.named_parameters() if k.endswith("tok_emb.weight")]
-    if len(keys) != 1:
-        raise BundleError(f"cannot find one encoder (a tok_emb.weight parameter) in the module; found {keys}")
-    prefix = keys[0][: -len("tok_emb.weight")]
+    prefix, enc = _encoder_of(module)
     try:
-        enc = _submodule(module, prefix.rstrip("."))
         params = dict(enc.named_parameters())
         blocks = [getattr(enc.blocks, str(i)) for i in range(len(list(enc.blocks.children())))]
         vocab_size, d_model = params["tok_emb.weight"].shape
@@ -224,8 +229,7 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
         raise BundleError(f"{where} does not match its manifest: " + "; ".join(wrong))
     if facts["positional"] == "sinusoidal":
         # Not a parameter (it is derived from the config), so outside weights_sha256: compare exactly.
-        prefix = next(k for k, _ in module.named_parameters() if k.endswith("tok_emb.weight"))[: -len("tok_emb.weight")]
-        table = _submodule(module, prefix.rstrip(".")).pos_emb
+        table = _encoder_of(module)[1].pos_emb
         if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"], facts["d_model"])):
             raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
     actual = weights_sha256(module)

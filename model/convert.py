@@ -36,8 +36,9 @@ final_norm, say) are skipped. "requires" values are a value, a list of allowed v
 attention_scale "1/sqrt(d_head)" or "1/sqrt(d_model)".
 
 Public API: ConversionError; KeyMap (.load(path), .builtin(name), .from_dict(data), .with_vars(**v));
-convert(state_dict, config, keymap, strict=False) -> Encoder; resolve(keymap, config) -> {ours: spec};
-load_state_dict_file(path); and, for the stock map, convert_state_dict and key_mapping.
+builtin_names(); OPS; convert(state_dict, config, keymap, strict=False) -> Encoder; resolve(keymap,
+config) -> {ours: spec}; load_state_dict_file(path); and, for the stock map, convert_state_dict and
+key_mapping. Another converter (Hugging Face BERT, say) ships its map in model/keymaps/ and calls convert.
 Every problem (missing, unexpected, mis-shaped or mis-typed key, an op that does not apply, a config value
 the source cannot express, a parameter the map does not cover) is named in one ConversionError.
 

@@ -116,8 +116,11 @@ class MultiHeadAttention(nn.Module):
             if bias is not None:
                 # A float mask: the bias where allowed, the dtype's finite minimum where not (never -inf, and
                 # filled rather than added, so nothing overflows). CPU then runs SDPA's math kernel, not flash.
-                low = self.fp16_min if q.dtype == torch.float16 else self.bf16_min if q.dtype == torch.bfloat16 \
-                    else self.score_min
+                low = self.score_min
+                if q.dtype == torch.float16:
+                    low = self.fp16_min
+                elif q.dtype == torch.bfloat16:
+                    low = self.bf16_min
                 attn_mask = bias.to(q.dtype)[None].masked_fill(~mask, low)  # (B, nh, T, T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=self.scale)  # (B, nh, T, hs)
             # A query with no key at all (a length-0 row): SDPA's CPU kernels give 0, but CUDA's
@@ -230,7 +233,8 @@ def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
 
 
 class Encoder(nn.Module):
-    """Token embedding (or precomputed embeddings), positions, n_layers blocks, optional final LayerNorm."""
+    """Token embedding (or precomputed embeddings), positions, n_layers blocks, optional final LayerNorm;
+    a shared relative position bias table lives here, a per-layer one in each block's attention."""
 
     # The Python config is for Python callers (bundle export); TorchScript sees the Final ints below.
     __jit_ignored_attributes__ = ["config"]

@@ -72,6 +72,20 @@ class ServiceConfig:
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
     default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
+    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/server.py)
+    max_concurrent_streams: int = _opt(
+        256, "calls one connection may have open at once; a client past it waits for a free stream, a stream "
+             "over it is refused (REFUSED_STREAM) without touching other connections")
+    max_connection_idle_s: float = _opt(600.0, "a connection with no call for this long is closed with GOAWAY; "
+                                               "clients reconnect on their next call (0 = never)")
+    max_connection_age_s: float = _opt(
+        1800.0, "a connection this old (jittered by up to a tenth) gets GOAWAY: new calls go to a new "
+                "connection, so load spreads over new replicas, and nothing on a connection can outlive "
+                "age + grace (0 = never)")
+    max_connection_age_grace_s: float = _opt(60.0, "calls still open this long after the GOAWAY of "
+                                                   "max_connection_age_s are cut and the connection closed")
+    keepalive_time_s: float = _opt(60.0, "ping a connection that has been quiet this long, to find dead peers")
+    keepalive_timeout_s: float = _opt(20.0, "close a connection whose ping is not answered within this")
     # Lifecycle
     drain_delay_s: float = _opt(0.0, "on SIGTERM, keep serving this long after NOT_SERVING (load balancers)")
     drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")
@@ -105,7 +119,7 @@ class ServiceConfig:
         for name in (
             "max_batch_size", "max_queue_tokens", "max_queue_requests",
             "max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes",
-            "max_stream_inflight", "max_text_chars",
+            "max_stream_inflight", "max_concurrent_streams", "max_text_chars",
         ):
             _check(name, getattr(self, name), 1, None)
         _check("torch_threads", self.torch_threads, 0, None)
@@ -113,6 +127,10 @@ class ServiceConfig:
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)
         _check("default_timeout_s", self.default_timeout_s, 1e-3, None)
+        for name in ("max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s"):
+            _check(name, getattr(self, name), 0, 2_000_000)  # grpc takes int milliseconds
+        for name in ("keepalive_time_s", "keepalive_timeout_s"):
+            _check(name, getattr(self, name), 1e-3, 2_000_000)
         _check("min_deadline_ms", self.min_deadline_ms, 0, None)
         hooks = [f.name for f in dataclasses.fields(self) if f.name.startswith("fault_delay_")]
         for name in hooks:

@@ -2,8 +2,10 @@
 
     ServiceError
     ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
-    │   └── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    │   ├── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
+    │   └── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
+    ├── NotFound            NOT_FOUND           no such model or version (the KServe v2 front door)
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
     ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
     ├── DeadlineExceeded    DEADLINE_EXCEEDED   the deadline passed before the work could be done
@@ -44,7 +46,15 @@ class NonFiniteInput(InvalidInput):
     pass
 
 
+class OutputOverflow(InvalidInput):
+    """The result is finite, but not in the dtype asked for (FLOAT16 past 65504): service/output_range.py."""
+
+
 class FailedPrecondition(ServiceError):
+    pass
+
+
+class NotFound(ServiceError):
     pass
 
 
@@ -96,6 +106,7 @@ class NonFiniteOutput(ModelFailure):
 STATUS_OF: dict[type[ServiceError], str] = {
     InvalidInput: "INVALID_ARGUMENT",
     FailedPrecondition: "FAILED_PRECONDITION",
+    NotFound: "NOT_FOUND",
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
@@ -109,7 +120,9 @@ STATUS_OF: dict[type[ServiceError], str] = {
 REASON_OF: dict[type[ServiceError], str] = {
     InvalidInput: "invalid_argument",
     NonFiniteInput: "nonfinite_input",
+    OutputOverflow: "output_overflow",
     FailedPrecondition: "failed_precondition",
+    NotFound: "not_found",
     Overloaded: "queue_full",
     OutOfMemory: "oom",
     DeadlineExceeded: "deadline",

@@ -16,6 +16,10 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 RATIO_BUCKETS = (1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+# Label values that alert rules watch, created at 0 on start-up: a series born at its first increase
+# has no earlier sample, so rate()/increase() never see that jump and a one-off burst never fires.
+PRECISIONS = ("fp32", "fp16", "bf16")
+METHODS = ("Encode", "EncodeStream")
 
 
 class Metrics:
@@ -50,10 +54,14 @@ class Metrics:
             registry=r)
         self.requests = Counter(
             "attention_requests_total", "Calls by method and gRPC code", ["method", "code"], registry=r)
+        for method in METHODS:
+            self.requests.labels(method, "INTERNAL")
         self.sequences = Counter("attention_sequences_total", "Sequences encoded successfully", registry=r)
         self.nonfinite_outputs = Counter(
             "attention_nonfinite_outputs_total", "Sequences whose output held NaN/Inf, by the precision it ran at",
             ["precision"], registry=r)
+        for precision in PRECISIONS:
+            self.nonfinite_outputs.labels(precision)
         self.fp32_retries = Counter(
             "attention_fp32_retries_total", "Sequences re-run in fp32 after a non-finite output", registry=r)
         self.nonfinite_inputs = Counter(

@@ -38,6 +38,8 @@ from service.edge import Edge, Serving
 from service.fault_hooks import FaultHooks
 from service.grpc_metrics import MetricsInterceptor
 from service.jobs import Job, ModelSpec
+from service.kserve import SERVICE_NAME as KSERVE_NAME
+from service.kserve import KServeServicer
 from service.metrics import Metrics
 from service.runner import Runner
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
@@ -47,6 +49,9 @@ log = logging.getLogger(__name__)
 
 
 def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
+    def ms(seconds: float) -> int:
+        return int(seconds * 1000) if seconds > 0 else 2**31 - 1  # INT_MAX: no limit
+
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -54,6 +59,20 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
         # Accept the keepalive pings our client sends (every 30 s, also when idle).
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Connection limits. Without a stream limit one connection can open streams without bound (a
+        # burst of 20,000 header-only streams made other connections' calls fail CANCELLED); without
+        # an age limit a call whose message never completes and that has no deadline is never
+        # answered (grpcio reads the message before any handler runs, so only the connection can end it).
+        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        ("grpc.max_connection_idle_ms", ms(config.max_connection_idle_s)),
+        ("grpc.max_connection_age_ms", ms(config.max_connection_age_s)),
+        ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)),
+        ("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
+        ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s)),
+        # chttp2's own timeout for an unanswered ping (internal.h; 1 min by default), which is what
+        # closes the connection of a peer that stopped answering: the same bound as keepalive's.
+        ("grpc.http2.ping_timeout_ms", ms(config.keepalive_timeout_s)),
+        ("grpc.http2.max_pings_without_data", 0),  # keep probing during a long call that sends nothing
     ]
 
 
@@ -95,18 +114,22 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.hooks = FaultHooks.from_config(config)
         self.threads = ModelThreads(model_workers(config))
-        self.servicer = AttentionServicer(Edge(config, self.serving, self.metrics), self.metrics)
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics, [SERVICE_NAME])]
+        edge = Edge(config, self.serving, self.metrics)
+        self.servicer = AttentionServicer(edge, self.metrics)
+        # The KServe v2 front door: the same edge (admission, batcher, outcome), error table and metrics.
+        self.kserve = KServeServicer(edge, self.metrics, len(self.threads))
+        doors = [SERVICE_NAME, KSERVE_NAME]
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics, doors)]
         tokens = load_tokens(config)
         if tokens:
             # Outermost: nothing else runs for an unauthenticated call.
             interceptors.insert(0, AuthInterceptor(TokenChecker(tokens), self.metrics))
         self.grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(),))
+        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(), self.kserve.rpc_handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if config.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                                self.grpc)
+            names = (SERVICE_NAME, KSERVE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.grpc)
         self.health_grpc: grpc.aio.Server | None = None
         address = f"{config.host}:{config.port}"
         credentials = server_credentials(config)
@@ -142,15 +165,20 @@ class Server:
 
     async def start(self) -> None:
         """Listen, then load and warm the model in the background (see `ready()`)."""
+        if self.config.metrics_port >= 0:
+            # Before the gRPC ports start: a metrics port in use then stops start-up with nothing running
+            # (an aio server left started would be torn down by its __del__ on a closed loop).
+            host = self.config.metrics_host or self.config.host
+            try:
+                self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
+            except OSError as exc:
+                raise OSError(f"metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}") from None
+            self.metrics_port = self._httpd.server_port
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
         if self.health_grpc is not None:
             await self.health_grpc.start()
-        if self.config.metrics_port >= 0:
-            host = self.config.metrics_host or self.config.host
-            self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.metrics.registry)
-            self.metrics_port = self._httpd.server_port
         self.threads.start()
         self._startup = asyncio.create_task(self._load_and_warm())
 
@@ -235,7 +263,11 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     signals: asyncio.Queue[int] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as exc:  # the metrics port taken; nothing has started yet
+        log.error("cannot start: %s", exc)
+        return 1
     log.info("listening on %s:%d, metrics on :%d; loading the model", config.host, port, server.metrics_port)
     waiter = asyncio.create_task(signals.get())
     assert server._startup is not None
@@ -270,15 +302,15 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
 
 
 def ledger(registry: CollectorRegistry) -> dict[str, Any]:
-    """The AttentionService call ledger from the metrics: every started call handled, by code, and
-    what the queue still holds. Read at exit, and by tests."""
+    """The call ledger of both front doors (AttentionService, KServe v2) from the metrics: every
+    started call handled, by code, and what the queue still holds. Read at exit, and by tests."""
     started = 0.0
     handled: dict[str, float] = {}
     dropped: dict[str, float] = {}
     values: dict[str, float] = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.labels.get("grpc_service") == SERVICE_NAME:
+            if sample.labels.get("grpc_service") in (SERVICE_NAME, KSERVE_NAME):
                 if sample.name == "grpc_server_started_total":
                     started += sample.value
                 elif sample.name == "grpc_server_handled_total":

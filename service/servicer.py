@@ -8,20 +8,20 @@ INVALID_ARGUMENT instead of grpcio's UNKNOWN.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import SERVICE_NAME, fill_tensor
 from service.batching import Done
-from service.edge import Edge, being_cancelled, public, remaining
-from service.errors import InvalidInput, NonFiniteInput, ServiceError, status_of
+from service.edge import Edge, parse, public, remaining
+from service.errors import NonFiniteInput, ServiceError, status_of
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
+from service.output_range import check_representable
 from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, validate
 
 
@@ -35,7 +35,7 @@ class AttentionServicer:
 
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            request = _parse(pb.EncodeRequest, raw)
+            request = parse(pb.EncodeRequest, raw)
             response = await self._encode(request, remaining(context, self._config))
             data: bytes = response.SerializeToString()
             return data
@@ -44,7 +44,7 @@ class AttentionServicer:
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            _parse(pb.GetModelInfoRequest, raw)
+            parse(pb.GetModelInfoRequest, raw)
             data: bytes = self._model_info().SerializeToString()
             return data
 
@@ -53,57 +53,24 @@ class AttentionServicer:
     async def encode_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        """One response per request, in completion order; a failed request answers with `error` set.
+        """One response per request, in completion order, flow-controlled (`Edge.stream`); a failed
+        request answers with `error` set."""
+        async def one(raw: bytes) -> bytes:
+            request_id = ""
 
-        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once:
-        a request holds its slot until its answer is taken for sending, and the answers waiting are
-        bounded too, so a caller that sends and never reads stops being read (HTTP/2 flow control
-        then holds its sends) instead of growing the server's memory."""
-        limit = self._config.max_stream_inflight
-        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit)
-        slots = asyncio.Semaphore(limit)
-        tasks: set[asyncio.Task[None]] = set()
+            async def work() -> bytes:
+                nonlocal request_id
+                request = parse(pb.EncodeRequest, raw)
+                request_id = request.request_id
+                data: bytes = (await self._encode(request, remaining(context, self._config))).SerializeToString()
+                return data
 
-        async def one(raw: bytes) -> None:
-            try:
-                started = time.perf_counter()
-                request_id = ""
-                try:
-                    request = _parse(pb.EncodeRequest, raw)
-                    request_id = request.request_id
-                    response = await self._encode(request, remaining(context, self._config))
-                except Exception as exc:  # every request of the stream gets an answer, whatever failed
-                    response = _stream_error(request_id, self._edge.failure(exc, "EncodeStream"))
-                except asyncio.CancelledError as exc:
-                    if being_cancelled():
-                        raise
-                    response = _stream_error(request_id, self._edge.failure(exc, "EncodeStream"))
-                seconds = time.perf_counter() - started
-                self._metrics.observe_request("EncodeStream", response.error.code or "OK", seconds)
-                await out.put(response.SerializeToString())
-            finally:
-                slots.release()
+            return await self._edge.answer_in_stream(
+                "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())
 
-        async def read() -> None:
-            try:
-                async for raw in requests:
-                    await slots.acquire()
-                    task = asyncio.create_task(one(raw))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.wait(set(tasks))
-            finally:
-                await out.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await out.get()) is not None:
-                yield item
-            await reader  # surfaces a broken request stream
-        finally:
-            for task in (reader, *tasks):
-                task.cancel()
+        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
+            async for response in responses:
+                yield response
 
     # -- the call ---------------------------------------------------------------------------------
 
@@ -119,6 +86,7 @@ class AttentionServicer:
             self._metrics.nonfinite_inputs.inc()
             raise
         done = await self._edge.compute(plan.jobs, seconds)
+        check_representable([d.output for d in done], plan.output_dtype, plan.attention_dtype)
         return _response(plan, done, spec)
 
     def _model_info(self) -> pb.ModelInfo:
@@ -156,13 +124,6 @@ def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
     """A failed EncodeStream request's answer: the same code and message a unary call would get."""
     return pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
         code=status_of(error), message=public(error.message), field=public(getattr(error, "field", ""))))
-
-
-def _parse(message_type: Any, raw: bytes) -> Any:
-    try:
-        return message_type.FromString(raw)
-    except (DecodeError, RuntimeError, ValueError):
-        raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
 
 
 def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeResponse:

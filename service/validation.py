@@ -10,6 +10,7 @@ thread when a call carries much text (`TOKENIZE_INLINE_CHARS`), off the event lo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -142,16 +143,48 @@ def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig)
     return tuple(out)
 
 
+def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions, att: pb.AttentionOptions,
+                  spec: ModelSpec, config: ServiceConfig, *, request_id: str = "", padded_to: int = 0,
+                  layers_field: str = "attention.layers") -> Plan:
+    """Token-id rows (int32/int64 [T_i] each, already cut to their real length) -> a `Plan`, with the
+    checks `validate` makes. For callers that decode their own wire format (service/kserve.py):
+    `field` names the tensor in errors (`field[i, j]`), and `padded_to` sizes a response that pads
+    every row back to the request's length."""
+    n = len(rows)
+    if not 1 <= n <= config.max_sequences_per_call:
+        raise InvalidInput(field, f"must hold 1..{config.max_sequences_per_call} sequences; got {n}")
+    if out.pooling not in _POOLINGS:
+        raise InvalidInput("pooling", f"unknown value {out.pooling}")
+    pooling, normalize = _pooling(out, spec)
+    layers = _attention_layers(att, spec, config, layers_field)
+    return_hidden = out.return_hidden if out.HasField("return_hidden") else True
+    jobs = []
+    for i, row in enumerate(rows):
+        if not 1 <= len(row) <= spec.max_length:
+            raise InvalidInput(f"{field}[{i}]", f"length must be 1..{spec.max_length}; got {len(row)}")
+        if (j := _first_out_of_vocab(row, spec.vocab_size)) is not None:
+            raise InvalidInput(f"{field}[{i}, {j}]", f"id {int(row[j])} not in [0, {spec.vocab_size})")
+        jobs.append(Job(token_ids=row.astype(np.int64, copy=False), embeddings=None, attn_layers=layers,
+                        heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
+                        normalize=normalize))
+    plan = Plan(request_id, jobs, _float_dtype("datatype", out.dtype), _float_dtype("datatype", att.dtype))
+    if plan.tokens > config.max_tokens_per_call:
+        raise InvalidInput(field, f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
+    _check_sizes(plan, spec, config, padded_to or None)
+    return plan
+
+
 def _float_dtype(field: str, dtype: int) -> int:
     if dtype not in OUTPUT_DTYPES:
         raise InvalidInput(field, f"must be FLOAT32, FLOAT16 or BFLOAT16; got {dtype_name(dtype)}")
     return dtype if dtype != pb.DTYPE_UNSPECIFIED else pb.DTYPE_FLOAT32
 
 
-def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: ServiceConfig) -> tuple[int, ...]:
+def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: ServiceConfig,
+                      field: str = "attention.layers") -> tuple[int, ...]:
     if not att.return_attention:
         if att.layers:
-            raise InvalidInput("attention.layers", "given, but return_attention is false")
+            raise InvalidInput(field, "given, but return_attention is false")
         return ()
     if not config.allow_attention:
         raise FailedPrecondition("return_attention is disabled on this deployment")
@@ -161,10 +194,10 @@ def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: Service
     layers = []
     for j, layer in enumerate(att.layers):
         if not -L <= layer < L:
-            raise InvalidInput(f"attention.layers[{j}]", f"layer {layer} not in [-{L}, {L})")
+            raise InvalidInput(f"{field}[{j}]", f"layer {layer} not in [-{L}, {L})")
         layer %= L
         if layer in layers:
-            raise InvalidInput(f"attention.layers[{j}]", f"layer {layer} asked for twice")
+            raise InvalidInput(f"{field}[{j}]", f"layer {layer} asked for twice")
         layers.append(layer)
     return tuple(layers)
 
@@ -193,9 +226,7 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     except TensorError as exc:
         raise InvalidInput(field, str(exc)) from None
     if kind == "token_ids":
-        # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
-        if int(array.view(array.dtype.str.replace("i", "u")).max()) >= spec.vocab_size:
-            j = int(np.flatnonzero((array < 0) | (array >= spec.vocab_size))[0])
+        if (j := _first_out_of_vocab(array, spec.vocab_size)) is not None:
             raise InvalidInput(f"{field}[{j}]", f"id {int(array[j])} not in [0, {spec.vocab_size})")
         return array.astype(np.int64, copy=False), None  # int64 ids stay a view of the request's bytes
     embeddings = array.astype(np.float32)
@@ -209,11 +240,20 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     return None, embeddings
 
 
-def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig) -> None:
-    """Refuse, before any compute, a call whose attention or whole response would be over budget."""
+def _first_out_of_vocab(ids: np.ndarray, vocab_size: int) -> int | None:
+    """The index of the first id outside [0, vocab_size), or None."""
+    # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
+    if int(ids.view(ids.dtype.str.replace("i", "u")).max()) < vocab_size:
+        return None
+    return int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+
+
+def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, padded_to: int | None = None) -> None:
+    """Refuse, before any compute, a call whose attention or whole response would be over budget.
+    `padded_to`: the response pads every sequence to this length (the KServe v2 front door)."""
     first = plan.jobs[0]
     heads = 1 if first.heads_mean else spec.n_heads
-    attention = sum(len(job.attn_layers) * heads * job.length**2 for job in plan.jobs)
+    attention = sum(len(job.attn_layers) * heads * (padded_to or job.length)**2 for job in plan.jobs)
     attention *= ITEMSIZE[plan.attention_dtype]
     if attention > config.max_attention_bytes:
         raise InvalidInput(
@@ -221,11 +261,55 @@ def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig) -> None:
             f"attention weights would be {attention} bytes, over the budget of {config.max_attention_bytes} bytes; "
             "ask for fewer layers, heads=HEADS_MEAN, FLOAT16, or shorter sequences",
         )
-    per_value = ITEMSIZE[plan.output_dtype]
-    hidden = sum(job.length for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
-    pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
-    total = hidden + pooled + attention
+    if padded_to is None:
+        total = response_bytes(plan, spec)
+    else:  # a KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope
+        per_value = ITEMSIZE[plan.output_dtype]
+        hidden = sum(padded_to for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
+        pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
+        total = hidden + pooled + attention + 1024 + len(plan.request_id)  # + names, shapes, parameters
     if total > config.max_message_bytes:
         raise InvalidInput(
             "sequences", f"the response would be {total} bytes, over max_message_bytes {config.max_message_bytes}"
         )
+
+
+def response_bytes(plan: Plan, spec: ModelSpec) -> int:
+    """An upper bound on the serialized EncodeResponse of `plan`: the tensor bytes plus every tag,
+    length prefix, shape and metadata field (what grpcio's send limit counts). Within a few bytes per
+    sequence of the real size: only the varints of the timings and batch facts are taken at their widest."""
+    out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
+    D = spec.d_model
+    total = _field(len(plan.request_id.encode()))
+    for job in plan.jobs:
+        T = job.length
+        body = 2  # nonfinite = true
+        if job.return_hidden:
+            body += _field(_tensor((T, D), out_size))
+        if job.pooling:
+            body += _field(_tensor((D,), out_size))
+        if job.attn_layers:
+            heads = 1 if job.heads_mean else spec.n_heads
+            body += _field(_tensor((len(job.attn_layers), heads, T, T), att_size))
+        total += _field(body)
+    # queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0), fp32_retry, then the strings.
+    metadata = 2 * 11 + 2 * 6 + 2 + sum(
+        _field(len(text.encode())) for text in (spec.precision, spec.device, spec.name, spec.version))
+    return total + _field(metadata)
+
+
+def _varint(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _field(length: int) -> int:
+    """A length-delimited field of `length` bytes: tag, length prefix, payload."""
+    return 1 + _varint(length) + length
+
+
+def _tensor(shape: tuple[int, ...], itemsize: int) -> int:
+    """An attention.v1.Tensor's body: dtype (never 0 here), packed shape, data."""
+    count = 1
+    for d in shape:
+        count *= d
+    return 2 + _field(sum(_varint(d) for d in shape)) + _field(count * itemsize)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from client.tensors import from_tensor
 from model.bundle import save_bundle
 from model.config import EncoderConfig
 from model.convert import KeyMap, convert
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.wire import from_tensor
 from tests import article_models
-from tests.conftest import ids_request
+from tests.helpers import ids_request
 
 LENGTHS = [24, 10, 3]
 
