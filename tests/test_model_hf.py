@@ -277,3 +277,18 @@ def test_pytorch_model_bin_is_read_with_weights_only(tmp_path: Path) -> None:
     (src / "pytorch_model.bin").unlink()
     with pytest.raises(HFConversionError, match=r"neither model\.safetensors nor pytorch_model\.bin"):
         convert_hf(src)
+
+
+def test_add_and_row0_ops_refuse_what_does_not_apply() -> None:
+    from model.convert import ConversionError, KeyMap, convert
+
+    sd = tiny_bert_state_dict(TINY_BERT)
+    sd["embeddings.token_type_embeddings.weight"] = torch.zeros(2, 31)  # row 0 is (31,), the table (12, 32)
+    keymap = KeyMap.builtin("hf_bert")
+    cfg = EncoderConfig(d_model=32, n_heads=4, n_layers=2, d_ff=64, vocab_size=12, max_length=16,
+                        positional="learned", activation="gelu", layer_norm_eps=1e-12, embedding_norm=True)
+    with pytest.raises(ConversionError, match=r"tok_emb\.weight <- add\(.*add needs shapes that broadcast"):
+        convert(sd, cfg, keymap)
+    sd["embeddings.token_type_embeddings.weight"] = torch.zeros(0, 32)
+    with pytest.raises(ConversionError, match=r"row0 needs a tensor with at least one row"):
+        convert(sd, cfg, keymap)
