@@ -2,15 +2,16 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt | cksum | cut -d' ' -f1)
+STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
-.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-model gpu-check gpu-wheels \
+.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model gpu-check gpu-wheels \
 	system-deps clean
 
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
@@ -50,8 +51,12 @@ check: test
 bench-model: $(STAMP)  ## the model's in-process ceiling (bench/RESULTS.md)
 	$(BIN)/python -m bench.model_bench
 
-bench: $(STAMP)  ## the service against its ceiling (bench/RESULTS.md)
+bench: $(STAMP)  ## the service against its ceiling, ids and then text on all-MiniLM-L6-v2 (bench/RESULTS.md)
 	$(BIN)/python -m bench.service_bench
+	$(BIN)/python -m bench.text_bench
+
+bench-text: $(STAMP)  ## text in: all-MiniLM-L6-v2 through the service against its in-process ceiling, c1/16/64
+	$(BIN)/python -m bench.text_bench
 
 # Not on .venv: its torch is the CPU build. GPU_PYTHON is a python whose torch has CUDA (see bench/gpu_check.py).
 GPU_PYTHON ?= python3
@@ -62,8 +67,9 @@ gpu-check:  ## CUDA tests, model ceiling and service under load on a GPU, <= 8 m
 # (tests/test_gpu_check.py checks that); carried there as .whl/ (bench/gpu_check.py's docstring has the command).
 GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
 	protobuf==7.36.2 googleapis-common-protos==1.76.0 prometheus-client==0.26.0 pytest==9.2.0 pluggy==1.7.0 \
-	iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 hypothesis==6.170.17
-gpu-wheels: $(STAMP)  ## download into .whl/ the wheels gpu-check needs on the H200 machines (about 8 MB)
+	iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 hypothesis==6.170.17 \
+	tritonclient==2.73.0 ml_dtypes==0.5.4 python-rapidjson==1.25 urllib3==2.8.0 packaging==26.4
+gpu-wheels: $(STAMP)  ## download into .whl/ the wheels gpu-check needs on the H200 machines (about 15 MB)
 	rm -rf .whl
 	$(BIN)/pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

@@ -23,7 +23,7 @@ matmul rate, and the service at concurrency 64 reaches 0.8 of the model's ceilin
 Exit status: 0 every phase ran, 1 a phase or a CUDA test failed, 2 no CUDA, 3 a dependency is missing.
 
 On the project's H200 machines (python3 3.12 with CUDA torch 2.11, hypothesis, numpy, tqdm; no network):
-`make gpu-wheels` here downloads into .whl/ (ignored by git, about 8 MB) the wheels it lacks, pinned as
+`make gpu-wheels` here downloads into .whl/ (ignored by git, about 15 MB) the wheels it lacks, pinned as
 requirements*.txt. Then one device call, carry [".whl"], timeout_s 540 (one run fits in the 15 minutes
 with the machine's start; no rerun does, so a retry is `--quick`, 240 s):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
@@ -56,7 +56,8 @@ from bench.gpu_model import PRESETS, ceiling, cell, fmt, model_table, phase_mode
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "google.rpc",
-            "prometheus_client", "numpy", "tqdm", "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis")
+            "prometheus_client", "numpy", "tqdm", "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis",
+            "tritonclient.grpc")  # the KServe v2 front door's stubs (service/kserve.py)
 # The project's pytest plugins and no others (a GPU image may hold xdist, cov, benchmark ...).
 PYTEST = ("-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin", "-p", "pytest_timeout",
           "-p", "_hypothesis_pytestplugin")

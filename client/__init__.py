@@ -18,7 +18,15 @@ from client.errors import (
     Unauthenticated,
     Unavailable,
 )
-from client.messages import EncodeOptions, EncodeResult, Limits, ModelInfo, ResponseMetadata, StreamRequest
+from client.messages import (
+    EncodeOptions,
+    EncodeResult,
+    Limits,
+    ModelInfo,
+    ResponseMetadata,
+    StreamRequest,
+    TextInfo,
+)
 
 __all__ = [
     "TLS",
@@ -38,6 +46,7 @@ __all__ = [
     "ServerError",
     "StreamRequest",
     "SyncEncoderClient",
+    "TextInfo",
     "Unauthenticated",
     "Unavailable",
     "channel_options",

@@ -136,10 +136,18 @@ class _Prepared:
 
 
 def prepare_requests(info: ModelInfo, *, lengths: tuple[int, int], sequences_per_request: int, count: int,
-                     seed: int, options: EncodeOptions) -> list[_Prepared]:
+                     seed: int, options: EncodeOptions,
+                     texts: Sequence[tuple[str, int]] | None = None) -> list[_Prepared]:
     """`count` serialized EncodeRequests with random ids; lengths uniform in `lengths`, clipped to the
-    model's max_length."""
+    model's max_length. With `texts` ((text, its token count) pairs): texts drawn from them instead."""
     rng = np.random.default_rng(seed)
+    if texts:
+        text_pool = []
+        for i in range(count):
+            picked = [texts[int(j)] for j in rng.integers(0, len(texts), sequences_per_request)]
+            raw = build_request([t for t, _ in picked], options, request_id=f"bench-{i}").SerializeToString()
+            text_pool.append(_Prepared(raw, len(picked), sum(n for _, n in picked)))
+        return text_pool
     low, high = (min(n, info.max_length) for n in lengths)
     pool = []
     for i in range(count):
@@ -170,7 +178,7 @@ async def run_load(
     warmup_s: float = 0.0, seed: int = 0, attention: bool = False, dtype: DTypeName = "float32",
     pooling: Pooling = "none", return_hidden: bool = True, timeout: float = 30.0, connections: int = 1,
     tls: TLS | None = None, token: str | None = None, pool_size: int = 256, progress: bool = False,
-    stream: bool = False,
+    stream: bool = False, texts: Sequence[tuple[str, int]] | None = None,
 ) -> BenchReport:
     """Closed-loop load on `target` (see the module docstring); returns what was measured.
 
@@ -204,11 +212,12 @@ async def run_load(
             raise from_rpc_error(exc) from exc
         info = ModelInfo.from_proto(pb.ModelInfo.FromString(raw_info))
         encode_options = EncodeOptions(pooling=pooling, return_hidden=return_hidden, output_dtype=dtype,
-                                       attention=attention, attention_dtype=dtype)
+                                       attention=attention, attention_dtype=dtype,
+                                       truncate=texts is not None)  # text: cut at the model's limit
         if max_requests is not None:
             pool_size = min(pool_size, max_requests + concurrency)
         pool = prepare_requests(info, lengths=lengths, sequences_per_request=sequences_per_request,
-                                count=pool_size, seed=seed, options=encode_options)
+                                count=pool_size, seed=seed, options=encode_options, texts=texts)
         calls: list[Calls]
         if stream:
             # One deadline for the whole stream: the run's own bound, plus a call's timeout.

@@ -32,11 +32,12 @@ class UsageError(Exception):
 # -- inputs and outputs ---------------------------------------------------------------------------
 
 
-def read_sequences(args: argparse.Namespace) -> list[npt.NDArray[Any]]:
-    """--ids (repeatable) and/or --file: .json (a list of id lists, or one list), .npy (1-D ids,
-    2-D ids = one row per sequence, 2-D float = one embedding sequence, 3-D float = several), or
-    .npz (one sequence per array)."""
-    sequences = [np.asarray(ids, dtype=np.int64) for ids in args.ids or ()]
+def read_sequences(args: argparse.Namespace) -> list[Any]:
+    """--text (repeatable), --ids (repeatable) and/or --file: .json (a list of id lists, or one list),
+    .npy (1-D ids, 2-D ids = one row per sequence, 2-D float = one embedding sequence, 3-D float =
+    several), or .npz (one sequence per array). Texts come first, in the order given."""
+    sequences: list[Any] = list(getattr(args, "text", None) or ())
+    sequences += [np.asarray(ids, dtype=np.int64) for ids in args.ids or ()]
     if args.file:
         path = Path(args.file)
         try:
@@ -61,7 +62,7 @@ def read_sequences(args: argparse.Namespace) -> list[npt.NDArray[Any]]:
         except (OSError, ValueError) as exc:
             raise UsageError(f"cannot read {path}: {exc}") from exc
     if not sequences:
-        raise UsageError("no input: give --ids N [N ...] (repeatable) or --file")
+        raise UsageError("no input: give --text TEXT or --ids N [N ...] (both repeatable), or --file")
     return sequences
 
 
@@ -80,7 +81,11 @@ def arrays_of(result: EncodeResult) -> dict[str, npt.NDArray[np.float32]]:
 def result_json(result: EncodeResult) -> dict[str, Any]:
     outputs = []
     for i in range(len(result)):
-        entry: dict[str, Any] = {"nonfinite": result.nonfinite[i]}
+        entry: dict[str, Any] = {"nonfinite": result.nonfinite[i], "token_count": result.token_counts[i],
+                                 "truncated": result.truncated[i]}
+        if result.tokens:
+            entry["tokens"] = result.tokens[i]
+            entry["token_ids"] = result.token_ids[i].tolist()
         for name, arrays in (("hidden", result.hidden), ("pooled", result.pooled), ("attention", result.attention)):
             if arrays:
                 entry[name] = arrays[i].tolist()
@@ -115,8 +120,10 @@ def _preview(array: npt.NDArray[np.float32], count: int) -> str:
 def format_result(result: EncodeResult, count: int = 4) -> str:
     lines = []
     for i in range(len(result)):
-        lines.append(f"sequence {i}:" + ("  (nonfinite in reduced precision; fp32 re-run)" if result.nonfinite[i]
-                                          else ""))
+        lines.append(f"sequence {i}: {result.token_counts[i]} tokens" + (" (truncated)" if result.truncated[i] else "")
+                     + ("  (nonfinite in reduced precision; fp32 re-run)" if result.nonfinite[i] else ""))
+        if result.tokens:
+            lines.append(f"  tokens    {' '.join(result.tokens[i])}")
         for name, arrays in (("hidden", result.hidden), ("pooled", result.pooled), ("attention", result.attention)):
             if arrays:
                 a = arrays[i]
@@ -134,6 +141,7 @@ def format_info(info: ModelInfo) -> str:
             ("vocab_size", info.vocab_size), ("max_length", info.max_length), ("positional", info.positional),
             ("precision", info.precision), ("device", info.device)]
     rows += [(f"limits.{k}", v) for k, v in asdict(info.limits).items()]
+    rows += [(f"text.{k}", v) for k, v in asdict(info.text).items()] if info.text else [("text", "not accepted")]
     return "\n".join(f"{k:<30} {v}" for k, v in rows)
 
 
@@ -150,7 +158,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
         result = client.encode(sequences, pooling=args.pooling, return_hidden=not args.no_hidden,
                                output_dtype=args.dtype, attention=args.attention, layers=args.layers,
                                heads=args.heads, attention_dtype=args.dtype, causal=args.causal,
-                               request_id=args.request_id)
+                               normalize=args.normalize, prompt_name=args.prompt, truncate=args.truncate,
+                               return_tokens=args.tokens, request_id=args.request_id)
     if args.out:
         print(write_result(result, Path(args.out)))
     else:
@@ -176,22 +185,20 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     sequences = read_sequences(args)
     ids = sequences[0]
+    text = isinstance(ids, str)
     head_mean = args.head == "mean"
     if not head_mean and not args.head.lstrip("-").isdigit():
         raise UsageError(f"--head must be a head index or 'mean'; got {args.head!r}")
     with _client(args) as client:
         info = client.model_info()
-        if args.entropy:  # every layer, every head: the entropy panel needs them all
-            result = client.encode([ids], return_hidden=False, layers=list(range(info.n_layers)), heads="all",
-                                   causal=args.causal)
-            every = result.attention[0]  # [L, H, T, T]
-            attention = every[[args.layer % info.n_layers]]
-            if head_mean:
-                attention = attention.mean(axis=1, keepdims=True)
-        else:
-            result = client.encode([ids], return_hidden=False, layers=[args.layer],
-                                   heads="mean" if head_mean else "all", causal=args.causal)
-            attention = result.attention[0]  # [1, H or 1, T, T]
+        layers = list(range(info.n_layers)) if args.entropy else [args.layer]  # entropy: every layer and head
+        result = client.encode([ids], pooling="none", return_hidden=False, layers=layers,
+                               heads="all" if args.entropy or not head_mean else "mean", causal=args.causal,
+                               return_tokens=text, truncate=text)
+    every = result.attention[0]  # [L, H or 1, T, T]
+    attention = every[[args.layer % info.n_layers]] if args.entropy else every  # [1, H or 1, T, T]
+    if args.entropy and head_mean:
+        attention = attention.mean(axis=1, keepdims=True)
     if head_mean:
         weights, head_label = attention[0, 0], "mean of heads"
     else:
@@ -206,15 +213,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
         entropy = entropy_per_head(every, causal=args.causal)
         for layer_i, row in enumerate(entropy):
             print(f"entropy layer {layer_i}: " + " ".join(f"{v:.3f}" for v in row))
-    save_heatmap(weights, ids if ids.ndim == 1 else None, title, Path(args.out), dpi=args.dpi, entropy=entropy)
+    labels: Any = result.tokens[0] if text else ids if ids.ndim == 1 else None
+    save_heatmap(weights, labels, title, Path(args.out), dpi=args.dpi, entropy=entropy)
     print(f"wrote {args.out}: {title}, {weights.shape[0]} tokens")
     return 0
 
 
-def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | None, title: str, out: Path, *,
-                 dpi: int = 120, entropy: npt.NDArray[np.float64] | None = None) -> None:
-    """Query rows x key columns; tick labels are `position:id` for short token-id inputs. With `entropy`
-    ([L, H], client/entropy.py), a second panel beside it shows it per layer and head."""
+def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | list[str] | None, title: str, out: Path,
+                 *, dpi: int = 120, entropy: npt.NDArray[np.float64] | None = None) -> None:
+    """Query rows x key columns; tick labels are `position:id` for short token-id inputs, and the tokens
+    themselves for text (a list of token strings). With `entropy` ([L, H], client/entropy.py), a second
+    panel beside it shows it per layer and head."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +250,12 @@ def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | None,
         fig.colorbar(grid, ax=side, fraction=0.046, pad=0.04, label="entropy")
     try:
         image = ax.imshow(weights, cmap="viridis", vmin=0.0, interpolation="nearest", aspect="equal")
-        if ids is not None and T <= 48:
+        if isinstance(ids, list) and T <= 64:
+            ax.set_xticks(range(T), ids, rotation=90, fontsize=7)
+            ax.set_yticks(range(T), ids, fontsize=7)
+            ax.set_xlabel("key (token)")
+            ax.set_ylabel("query (token)")
+        elif ids is not None and not isinstance(ids, list) and T <= 48:
             labels = [f"{i}:{int(t)}" for i, t in enumerate(ids)]
             ax.set_xticks(range(T), labels, rotation=90, fontsize=7)
             ax.set_yticks(range(T), labels, fontsize=7)
@@ -289,6 +303,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _input_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text", action="append", metavar="TEXT",
+                   help="one text (models served with a tokenizer); repeat for several")
     p.add_argument("--ids", type=int, nargs="+", action="append", metavar="ID",
                    help="token ids of one sequence; repeat for several")
     p.add_argument("--file", help="input sequences: .json (list of id lists), .npy or .npz")
@@ -309,7 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("encode", "encode sequences; print shapes and a preview, or write --out")
     _input_arguments(p)
-    p.add_argument("--pooling", choices=("none", "mean", "cls"), default="none")
+    p.add_argument("--pooling", choices=("none", "mean", "cls", "model"), default=None,
+                   help="default: model (the model's own) for text, none otherwise")
+    p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalise pooled vectors (default: the model's)")
+    p.add_argument("--prompt", default="", help="text: one of the model's named prompts (python -m client info)")
+    p.add_argument("--truncate", action="store_true", help="text: cut text over the model's token limit")
+    p.add_argument("--tokens", action="store_true", help="text: show the tokens")
     p.add_argument("--no-hidden", action="store_true", help="do not return hidden states")
     p.add_argument("--attention", action="store_true", help="return attention weights")
     p.add_argument("--layers", type=int, nargs="+", metavar="L", help="attention layers (negative from the end)")

@@ -95,10 +95,11 @@ class _Base:
         return f"{type(self).__name__}({self.target!r}, timeout={self.timeout}, tls={self._tls is not None})"
 
 
-def _options(pooling: Pooling, return_hidden: bool, output_dtype: DTypeName, attention: bool,
-             layers: Iterable[int] | None, heads: Heads, attention_dtype: DTypeName, causal: bool) -> EncodeOptions:
+def _options(pooling: Pooling | None, return_hidden: bool, output_dtype: DTypeName, attention: bool,
+             layers: Iterable[int] | None, heads: Heads, attention_dtype: DTypeName, causal: bool,
+             normalize: bool | None, prompt_name: str, truncate: bool, return_tokens: bool) -> EncodeOptions:
     return EncodeOptions(pooling, return_hidden, output_dtype, attention, None if layers is None else tuple(layers),
-                         heads, attention_dtype, causal)
+                         heads, attention_dtype, causal, normalize, prompt_name, truncate, return_tokens)
 
 
 def _health_status(response: health_pb2.HealthCheckResponse) -> str:
@@ -157,13 +158,21 @@ class EncoderClient(_Base):
             probe, self._probe_channel = self._probe_channel, None
             await probe.close()
 
-    async def encode(self, sequences: Sequences, *, pooling: Pooling = "none", return_hidden: bool = True,
+    async def encode(self, sequences: Sequences, *, pooling: Pooling | None = None, return_hidden: bool = True,
                      output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
                      heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
-                     request_id: str = "", timeout: float | None = None) -> EncodeResult:
-        """Encode sequences of token ids ([T] integers) or embeddings ([T, d_model] floats).
+                     normalize: bool | None = None, prompt_name: str = "", truncate: bool = False,
+                     return_tokens: bool = False, request_id: str = "", timeout: float | None = None) -> EncodeResult:
+        """Encode sequences of token ids ([T] integers), embeddings ([T, d_model] floats) or text (str).
 
-        `pooling`: "mean" (over the real tokens) or "cls" (the first token) adds `result.pooled`.
+        Text needs a model served with a tokenizer (`model_info().text`): `encode(["a sentence", ...])`
+        returns its sentence embeddings in `result.pooled` (pooling "model": the model's own, and its
+        default normalisation). `normalize` L2-normalises pooled vectors (None: the model's default);
+        `prompt_name` prepends one of the model's prompts; `truncate=True` cuts text over the model's
+        token limit (else INVALID_ARGUMENT naming sequences[i].text); `return_tokens` adds
+        `result.token_ids` and `result.tokens` for text. `result.token_counts`/`truncated` per sequence.
+        `pooling`: "mean" (over the real tokens) or "cls" (the first token) adds `result.pooled`
+        (default: "model" when the call sends text, else none).
         `return_hidden=False` leaves `result.hidden` empty. `output_dtype` is the wire precision of
         hidden and pooled ("float16"/"bfloat16" halve the bytes; returned arrays are float32).
         `attention=True` adds `result.attention`, [L, H, T, T] per sequence: `layers` picks layers
@@ -171,7 +180,8 @@ class EncoderClient(_Base):
         the heads ([L, 1, T, T]), `attention_dtype` as `output_dtype`. `causal` masks lookahead.
         Raises `ClientError` subclasses; `InvalidArgument.field` names the offending input.
         """
-        options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal)
+        options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
+                           normalize, prompt_name, truncate, return_tokens)
         request = self._request(sequences, options, request_id)
         return EncodeResult.from_proto(await self._encode(request, timeout))
 
@@ -366,12 +376,14 @@ class SyncEncoderClient(_Base):
         if self._probe_channel is not None:
             self._probe_channel.close()
 
-    def encode(self, sequences: Sequences, *, pooling: Pooling = "none", return_hidden: bool = True,
+    def encode(self, sequences: Sequences, *, pooling: Pooling | None = None, return_hidden: bool = True,
                output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
                heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
-               request_id: str = "", timeout: float | None = None) -> EncodeResult:
+               normalize: bool | None = None, prompt_name: str = "", truncate: bool = False,
+               return_tokens: bool = False, request_id: str = "", timeout: float | None = None) -> EncodeResult:
         """See `EncoderClient.encode`."""
-        options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal)
+        options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
+                           normalize, prompt_name, truncate, return_tokens)
         request = self._request(sequences, options, request_id)
         try:
             response = self._stub.Encode(request, timeout=self._deadline(timeout), metadata=self._metadata)

@@ -16,17 +16,19 @@ from client.errors import InvalidArgument
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import from_tensor, to_tensor
 
-Pooling = Literal["none", "mean", "cls"]
+Pooling = Literal["none", "mean", "cls", "model"]
 Heads = Literal["all", "mean"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 FloatArray = npt.NDArray[np.float32]
-Sequences = Sequence[npt.ArrayLike] | npt.NDArray[np.generic]
-"""Token ids (1-D integer, [T]) or embeddings (2-D float, [T, d_model]), one item per sequence. A
-2-D integer array is taken as rows of ids, a 3-D float array as a batch of embedding sequences."""
+Sequences = Sequence[npt.ArrayLike | str] | npt.NDArray[np.generic]
+"""Token ids (1-D integer, [T]), embeddings (2-D float, [T, d_model]) or text (str, for models served with
+a tokenizer), one item per sequence. A 2-D integer array is taken as rows of ids, a 3-D float array as a
+batch of embedding sequences."""
 
 E = TypeVar("E", pb.Pooling, pb.HeadReduction, pb.DType)
 
-POOLING: dict[str, pb.Pooling] = {"none": pb.POOLING_NONE, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS}
+POOLING: dict[str, pb.Pooling] = {"none": pb.POOLING_NONE, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,
+                                  "model": pb.POOLING_MODEL}
 HEADS: dict[str, pb.HeadReduction] = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
 DTYPES: dict[str, pb.DType] = {
     "float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
@@ -43,9 +45,10 @@ def _choice(name: str, value: str, table: dict[str, E]) -> E:
 
 @dataclass(frozen=True)
 class EncodeOptions:
-    """What to compute and return for every sequence of one call (see `EncoderClient.encode`)."""
+    """What to compute and return for every sequence of one call (see `EncoderClient.encode`).
+    pooling None: "model" when the call sends text, else "none"."""
 
-    pooling: Pooling = "none"
+    pooling: Pooling | None = None
     return_hidden: bool = True
     output_dtype: DTypeName = "float32"
     attention: bool = False
@@ -53,10 +56,18 @@ class EncodeOptions:
     heads: Heads = "all"
     attention_dtype: DTypeName = "float32"
     causal: bool = False
+    normalize: bool | None = None  # None: the model's default
+    prompt_name: str = ""
+    truncate: bool = False
+    return_tokens: bool = False
 
-    def to_proto(self) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
-        output = pb.OutputOptions(return_hidden=self.return_hidden, pooling=_choice("pooling", self.pooling, POOLING),
-                                  dtype=_choice("output_dtype", self.output_dtype, DTYPES))
+    def to_proto(self, text: bool = False) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
+        pooling = self.pooling if self.pooling is not None else "model" if text else "none"
+        output = pb.OutputOptions(return_hidden=self.return_hidden, pooling=_choice("pooling", pooling, POOLING),
+                                  dtype=_choice("output_dtype", self.output_dtype, DTYPES),
+                                  prompt_name=self.prompt_name, return_tokens=self.return_tokens)
+        if self.normalize is not None:
+            output.normalize = self.normalize
         # Naming layers is asking for attention.
         want = self.attention or self.layers is not None
         attention = pb.AttentionOptions(
@@ -66,9 +77,11 @@ class EncodeOptions:
         return output, attention
 
 
-def to_sequence(index: int, value: npt.ArrayLike) -> pb.Sequence:
-    """One sequence: integer [T] -> token_ids (int32 kept, else int64); float [T, D] -> embeddings
-    (float16 kept, else float32)."""
+def to_sequence(index: int, value: npt.ArrayLike | str) -> pb.Sequence:
+    """One sequence: str -> text; integer [T] -> token_ids (int32 kept, else int64); float [T, D] ->
+    embeddings (float16 kept, else float32)."""
+    if isinstance(value, str):
+        return pb.Sequence(text=value)
     array = np.asarray(value)
     if array.ndim == 1 and array.size == 0:
         array = array.astype(np.int64)  # let the server name the empty sequence
@@ -91,7 +104,7 @@ def to_sequence(index: int, value: npt.ArrayLike) -> pb.Sequence:
                           f"{array.dtype}", field=f"sequences[{index}]")
 
 
-def split_sequences(sequences: Sequences) -> list[npt.ArrayLike]:
+def split_sequences(sequences: Sequences) -> list[npt.ArrayLike | str]:
     if isinstance(sequences, np.ndarray):
         if (sequences.dtype.kind in "iu" and sequences.ndim == 2) or (sequences.dtype.kind == "f"
                                                                        and sequences.ndim == 3):
@@ -100,20 +113,21 @@ def split_sequences(sequences: Sequences) -> list[npt.ArrayLike]:
                               f"3-D array of embeddings; got an array of shape {list(sequences.shape)}",
                               field="sequences")
     if isinstance(sequences, str | bytes) or not isinstance(sequences, Iterable):
-        raise InvalidArgument("INVALID_ARGUMENT", f"sequences must be a list of arrays; got {type(sequences).__name__}",
-                              field="sequences")
+        raise InvalidArgument("INVALID_ARGUMENT", f"sequences must be a list of arrays or strings; got "
+                              f"{type(sequences).__name__} (one text: pass [text])", field="sequences")
     items = list(sequences)
-    if items and all(np.ndim(item) == 0 for item in items):
+    if items and all(np.ndim(item) == 0 and not isinstance(item, str) for item in items):
         raise InvalidArgument("INVALID_ARGUMENT", "got a flat list of numbers: pass a list of sequences, e.g. [ids]",
                               field="sequences")
     return items
 
 
 def build_request(sequences: Sequences, options: EncodeOptions, request_id: str = "") -> pb.EncodeRequest:
-    output, attention = options.to_proto()
+    items = split_sequences(sequences)
+    output, attention = options.to_proto(text=any(isinstance(s, str) for s in items))
     return pb.EncodeRequest(
-        request_id=request_id, sequences=[to_sequence(i, s) for i, s in enumerate(split_sequences(sequences))],
-        output=output, attention=attention, causal=options.causal,
+        request_id=request_id, sequences=[to_sequence(i, s) for i, s in enumerate(items)],
+        output=output, attention=attention, causal=options.causal, truncate=options.truncate,
     )
 
 
@@ -154,6 +168,10 @@ class EncodeResult:
     nonfinite: list[bool]  # the reduced-precision output was NaN/Inf; the values are its fp32 re-run
     metadata: ResponseMetadata
     request_id: str = ""
+    token_counts: list[int] = field(default_factory=list)  # tokens each sequence ran with
+    truncated: list[bool] = field(default_factory=list)  # text cut to the model's limit (truncate=True)
+    token_ids: list[npt.NDArray[np.int64]] = field(default_factory=list)  # text, with return_tokens
+    tokens: list[list[str]] = field(default_factory=list)  # text, with return_tokens
 
     def __len__(self) -> int:
         return len(self.nonfinite)
@@ -168,6 +186,10 @@ class EncodeResult:
             nonfinite=[bool(o.nonfinite) for o in outs],
             metadata=ResponseMetadata.from_proto(response.metadata),
             request_id=response.request_id,
+            token_counts=[int(o.token_count) for o in outs],
+            truncated=[bool(o.truncated) for o in outs],
+            token_ids=[np.array(from_tensor(o.token_ids), dtype=np.int64) for o in outs if o.HasField("token_ids")],
+            tokens=[list(o.tokens) for o in outs if o.HasField("token_ids")],
         )
 
 
@@ -190,6 +212,20 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class TextInfo:
+    """How a model served with a tokenizer takes text (`attention.v1.TextInfo`)."""
+
+    max_tokens: int  # per text, special tokens included
+    truncation_side: str
+    default_pooling: str  # "mean" | "cls": what pooling="model" means
+    default_normalize: bool
+    prompts: dict[str, str]
+    default_prompt_name: str
+    tokenizer_checksum: str
+    max_text_chars: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """The served model and the limits a caller must respect (`attention.v1.ModelInfo`)."""
 
@@ -205,10 +241,15 @@ class ModelInfo:
     precision: str
     device: str
     limits: Limits
+    text: TextInfo | None = None  # None: the model takes token ids and embeddings only
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
         limits = Limits(int(m.limits.max_sequences_per_call), int(m.limits.max_tokens_per_call),
                         int(m.limits.max_message_bytes), int(m.limits.max_attention_bytes))
+        t = m.text
+        text = TextInfo(int(t.max_tokens), t.truncation_side, "cls" if t.default_pooling == pb.POOLING_CLS else "mean",
+                        bool(t.default_normalize), dict(t.prompts), t.default_prompt_name, t.tokenizer_checksum,
+                        int(t.max_text_chars)) if t.accepted else None
         return cls(m.name, m.version, m.checksum, int(m.d_model), int(m.n_heads), int(m.n_layers),
-                   int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits)
+                   int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text)

@@ -5,6 +5,7 @@
                           [--key-map stock|article_mha|article_einsum|FILE.json|FILE.toml] [--var NAME=VALUE ...]
                           [--reference module.py:factory [--atol 1e-5]]   # checked before it is kept
   python -m model check DIR --reference module.py:factory [--atol 1e-5]   # exit 1 over the tolerance
+  python -m model convert-hf --model-dir HF_DIR --out DIR [--name N --version V]
   python -m model info DIR
 """
 
@@ -19,6 +20,7 @@ from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, 
 from model.config import EncoderConfig
 from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
+from model.hf import convert_hf
 
 
 def _default(args: argparse.Namespace) -> dict[str, object]:
@@ -61,6 +63,14 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
         if failure:
             _remove_bundle(args.out)
             raise ConversionError(failure)
+    return manifest.to_dict()
+
+
+def _convert_hf(args: argparse.Namespace) -> dict[str, object]:
+    encoder, tokenizer, settings, source = convert_hf(args.model_dir)
+    name = args.name or Path(args.model_dir).resolve().name
+    manifest = save_bundle(encoder, args.out, name=name, version=args.version, source=source,
+                           text=(tokenizer, settings))
     return manifest.to_dict()
 
 
@@ -133,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also refuse keys outside the map's checked prefixes (default: ignore them, e.g. a task "
                    "head)")
     p.set_defaults(run=_convert)
+
+    p = sub.add_parser("convert-hf", help="export a local Hugging Face BERT folder, tokenizer included (text in)",
+                       description="Convert a Hugging Face BERT checkpoint folder (config.json, model.safetensors "
+                       "or pytorch_model.bin, tokenizer.json, and the sentence-transformers files when present) "
+                       "into a text bundle: the encoder, its tokenizer and its text settings (token limit, "
+                       "pooling, normalisation, prompts). What cannot be reproduced exactly is refused by name. "
+                       "Nothing is downloaded.")
+    p.add_argument("--model-dir", required=True, type=Path, help="local Hugging Face model folder")
+    p.add_argument("--out", required=True, type=Path, help="directory to create the bundle in (must be empty)")
+    p.add_argument("--name", default="", help="model name for the manifest (default: the folder's name)")
+    p.add_argument("--version", default="1", help="model version for the manifest (default: 1)")
+    p.set_defaults(run=_convert_hf)
+
 
     p = sub.add_parser("check", help="compare a bundle with the eager model it was converted from",
                        description="Run the eager model from --reference and the bundle on random batches of "

@@ -3,7 +3,11 @@
 A bundle is a directory:
   model.pt       torch.jit.script of a module with Encoder.forward's signature, fp32 weights
   manifest.json  {format_version, name, version, config, sha256, weights_sha256, dtype,
-                  validated_precisions, created_at, source}
+                  validated_precisions, created_at, source[, text]}
+  tokenizer.json a text bundle's Hugging Face tokenizer (model/text.py), sha256 in manifest.text
+A text bundle is format_version 2 and an ids-only bundle stays 1, so a server from before text input
+refuses a text bundle at load ("format_version 2 is not supported") rather than serving it without
+its tokenizer; ids-only bundles written now still load on old servers.
 Loading needs torch and json only, never our Python classes (fault bundles need their ops registered:
 load_bundle imports model.fault_ops, which imports torch alone, for them). torch 2.13 deprecates
 torch.jit; keeping every call here lets torch.export replace it behind the same two functions.
@@ -28,8 +32,10 @@ from torch import nn
 
 from model.config import EncoderConfig
 from model.encoder import sinusoidal_table
+from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
+TEXT_FORMAT_VERSION = 2  # a bundle with a tokenizer (see the module docstring)
 MODEL_FILE = "model.pt"
 MANIFEST_FILE = "manifest.json"
 DIAGNOSTICS_METHOD = "diagnostics"  # Encoder.diagnostics, kept through freezing (load_bundle)
@@ -63,11 +69,16 @@ class Manifest:
     created_at: str
     source: str
     format_version: int = FORMAT_VERSION
+    text: TextSettings | None = None  # text bundles only (format_version 2)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["config"] = self.config.to_dict()
         d["validated_precisions"] = list(self.validated_precisions)
+        if self.text is None:
+            del d["text"]  # the exact key set of format 1, which servers before text input check
+        else:
+            d["text"] = self.text.to_dict()
         return d
 
     @classmethod
@@ -75,31 +86,36 @@ class Manifest:
         """Parse and check a manifest dict; problems raise ValueError naming the field."""
         if not isinstance(data, Mapping):
             raise ValueError(f"manifest must be a JSON object, got {type(data).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
+        version = data.get("format_version")
+        if version not in (FORMAT_VERSION, TEXT_FORMAT_VERSION):
+            raise ValueError(f"manifest format_version {version!r} is not supported "
+                             f"(expected {FORMAT_VERSION}, or {TEXT_FORMAT_VERSION} for a text bundle)")
+        if version == TEXT_FORMAT_VERSION and "text" not in data:
+            raise ValueError(f"manifest format_version {version} is not supported without its text settings "
+                             "(format 2 is a text bundle's)")
+        fields = {f.name for f in dataclasses.fields(cls)} - ({"text"} if version == FORMAT_VERSION else set())
         missing = sorted(fields - set(data))
         unknown = sorted(set(data) - fields)
         if missing or unknown:
             raise ValueError(f"manifest has missing keys {missing} and unknown keys {unknown}")
-        if data["format_version"] != FORMAT_VERSION:
-            raise ValueError(
-                f"manifest format_version {data['format_version']!r} is not supported (expected {FORMAT_VERSION})"
-            )
         for key in ("name", "version", "sha256", "weights_sha256", "dtype", "created_at", "source"):
             if not isinstance(data[key], str) or not data[key]:
                 raise ValueError(f"manifest.{key} must be a non-empty string, got {data[key]!r}")
         precisions = data["validated_precisions"]
         if not isinstance(precisions, list) or not all(p in DTYPES for p in precisions):
             raise ValueError(f"manifest.validated_precisions must list names from {list(DTYPES)}, got {precisions!r}")
+        text = TextSettings.from_dict(data["text"]) if version == TEXT_FORMAT_VERSION else None
         return cls(**{**data, "config": EncoderConfig.from_dict(data["config"]),
-                      "validated_precisions": tuple(precisions)})
+                      "validated_precisions": tuple(precisions), "text": text})
 
 
 @dataclass(frozen=True)
 class LoadedBundle:
-    """A loaded, verified, cast and frozen TorchScript module, and its manifest."""
+    """A loaded, verified, cast and frozen TorchScript module, its manifest, and a text bundle's tokenizer."""
 
     module: torch.jit.ScriptModule
     manifest: Manifest
+    tokenizer: TextTokenizer | None = None
 
 
 @contextlib.contextmanager
@@ -174,6 +190,7 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "activation": "gelu" if first.ff.use_gelu else "relu",
             "layer_norm_eps": float(first.ln1.eps),
             "final_norm": "ln_f.weight" in params,
+            "embedding_norm": "ln_emb.weight" in params,
             # Bundles from before these fields have neither constant: no bias, 1/sqrt(d_head).
             "relative_bias": "per_layer" if getattr(first.attn, "has_rel_bias", False)
             else "shared" if getattr(enc, "has_rel_bias", False) else "none",
@@ -275,9 +292,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: str, version: str,
-                source: str) -> Manifest:
+                source: str, text: tuple[bytes, TextSettings] | None = None) -> Manifest:
     """Script `module` (an Encoder, or a module with its forward and a `config` attribute), save it
     with its manifest into `directory` (created; must not already hold a bundle), and return the manifest.
+    `text`: the tokenizer.json bytes and settings of a text bundle (checked to load, and to match).
 
     The saved file is reloaded and checked against the eager module before the manifest is written,
     so a directory with a manifest.json is a complete, checked bundle.
@@ -290,9 +308,17 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
         raise BundleError(f"bundles store float32 weights; the module has {sorted(map(str, dtypes))}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for existing in (MODEL_FILE, MANIFEST_FILE):
+    for existing in (MODEL_FILE, MANIFEST_FILE, TOKENIZER_FILE):
         if (directory / existing).exists():
             raise BundleError(f"{directory} already holds a bundle ({existing}); choose an empty directory")
+    if text is not None:
+        try:
+            TextTokenizer(text[0], text[1], source=f"the tokenizer for {directory}")
+        except TextError as e:
+            raise BundleError(str(e)) from None
+        if text[1].max_tokens > config.max_length:
+            raise BundleError(f"text max_tokens {text[1].max_tokens} exceeds the model's max_length "
+                              f"{config.max_length}")
     module = module.eval()
     scripted = script(module)
     model_path = directory / MODEL_FILE
@@ -313,6 +339,8 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
         validated_precisions=validated,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         source=source,
+        format_version=FORMAT_VERSION if text is None else TEXT_FORMAT_VERSION,
+        text=None if text is None else text[1],
     )
     try:
         with _quiet_jit():
@@ -320,6 +348,8 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
     except BaseException:
         model_path.unlink(missing_ok=True)
         raise
+    if text is not None:
+        _write_atomic(directory / TOKENIZER_FILE, text[0])
     _write_atomic(directory / MANIFEST_FILE, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
     return manifest
 
@@ -364,6 +394,15 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
             f"{model_path} failed its checksum: manifest sha256 {manifest.sha256}, file sha256 {actual}; "
             "the file is corrupt or was replaced"
         )
+    tokenizer = None
+    if manifest.text is not None:
+        tokenizer_path = directory / TOKENIZER_FILE
+        try:
+            tokenizer = TextTokenizer(tokenizer_path.read_bytes(), manifest.text, source=str(tokenizer_path))
+        except FileNotFoundError:
+            raise BundleError(f"{tokenizer_path} not found (the manifest is of a text bundle)") from None
+        except TextError as e:
+            raise BundleError(str(e)) from None
     if manifest.name == FAULT_MODEL_NAME:
         # Imported here, not at the top: registering the ops is a side effect other bundles do not need.
         import model.fault_ops  # noqa: F401  (registers the attention_faults ops its TorchScript calls)
@@ -378,7 +417,7 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
     preserved = [name for name in (DIAGNOSTICS_METHOD,) if module._c._has_method(name)]
     with _quiet_jit():
         module = torch.jit.freeze(module.to(dtype).eval(), preserved_attrs=preserved)
-    return LoadedBundle(module=module, manifest=manifest)
+    return LoadedBundle(module=module, manifest=manifest, tokenizer=tokenizer)
 
 
 def has_diagnostics(module: Any) -> bool:

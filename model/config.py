@@ -23,6 +23,7 @@ class EncoderConfig:
     Defaults are those of REFERENCE, the service's default model. `final_norm` (a LayerNorm after the
     last block, as pre-LN models such as GPT-2 and `nn.TransformerEncoder(norm=...)` use) is our
     addition to the issue's field list; it defaults to False so configs without it keep their meaning.
+    `embedding_norm` (a LayerNorm after token + position embeddings, as BERT has) likewise.
     """
 
     d_model: int = 256
@@ -36,6 +37,7 @@ class EncoderConfig:
     activation: str = "relu"  # relu | gelu (exact, erf-based, as nn.TransformerEncoderLayer)
     layer_norm_eps: float = 1e-5
     final_norm: bool = False
+    embedding_norm: bool = False
     # A learned (n_heads, max_length, max_length) table added to the scaled scores before mask and softmax,
     # sliced [:, :T, :T], as the tutorials' RelativePositionBias writes it: none | shared (one for all
     # layers) | per_layer.
@@ -58,7 +60,7 @@ class EncoderConfig:
             raise ValueError(f"EncoderConfig.positional must be one of {POSITIONALS}, got {self.positional!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"EncoderConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
-        for name in ("norm_first", "final_norm"):
+        for name in ("norm_first", "final_norm", "embedding_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EncoderConfig.{name} must be a bool, got {getattr(self, name)!r}")
         eps = self.layer_norm_eps

@@ -2,7 +2,8 @@
 
 A key map (JSON, or TOML through tomllib) says, for each of our parameters, which source key(s) it comes
 from and how. Built-in maps are files in model/keymaps/ (`stock` is nn.Embedding + nn.TransformerEncoder;
-`article_mha`, `article_einsum`: the hand-written encoders of the tutorials); a user passes their own.
+`article_mha`, `article_einsum`: the hand-written encoders of the tutorials; `hf_bert`: Hugging Face
+BertModel, used by model/hf.py); a user passes their own.
 
   {
     "format": 1,
@@ -23,6 +24,8 @@ Ops (`src` is a source key or, for the ops that take several, a list of keys or 
   block_diag   a shared per-head (d_head, d_head) matrix -> the block-diagonal (d_model, d_model) one that
                applies it to every head; a shared (d_head,) bias -> tiled n_heads times
   fold         the product src[0] @ src[1] @ ...: linear maps applied one after the other (last first)
+  add          the sum of the parts, broadcast (BERT's token type row 0 folded into its word table)
+  row0         the first row of a tensor: (N, ...) -> (...)
   zeros, ones  no source: what a module without that parameter computes (bias=False: zeros)
 Any spec may say "times": a number, to multiply its result (an embedding the model scales by
 sqrt(d_model) in forward becomes the table times that: the same fp32 products). A top-level spec may say
@@ -63,11 +66,12 @@ from model.config import EncoderConfig
 from model.encoder import Encoder
 
 KEYMAP_DIR = Path(__file__).with_name("keymaps")
-OPS = ("copy", "reshape", "transpose", "concat", "block_diag", "fold", "zeros", "ones")
-_MULTI = ("concat", "fold")  # ops whose src is a list
+OPS = ("copy", "reshape", "transpose", "concat", "block_diag", "fold", "add", "row0", "zeros", "ones")
+_MULTI = ("concat", "fold", "add")  # ops whose src is a list
 _NO_SRC = ("zeros", "ones")
 # Our parameters that exist only for some configs: named in "not covered" errors.
-_CONFIG_OF = {"pos_emb": "positional='learned'", "ln_f.": "final_norm=True", "rel_bias": "relative_bias"}
+_CONFIG_OF = {"pos_emb": "positional='learned'", "ln_f.": "final_norm=True", "rel_bias": "relative_bias",
+              "ln_emb.": "embedding_norm=True"}
 
 
 class ConversionError(ValueError):
@@ -328,6 +332,15 @@ def _apply_op(spec: Mapping[str, Any], state: Mapping[str, torch.Tensor], config
             return x.repeat(n_heads)
         raise _NotApplicable(f"block_diag needs a shared per-head ({d_head}, {d_head}) matrix or ({d_head},) "
                              f"bias (d_head = d_model / n_heads), got shape {tuple(x.shape)}")
+    if op == "row0":
+        if x.dim() < 1 or x.shape[0] < 1:
+            raise _NotApplicable(f"row0 needs a tensor with at least one row, got shape {tuple(x.shape)}")
+        return x[0]
+    if op == "add":
+        try:
+            return torch.stack(torch.broadcast_tensors(*parts)).sum(dim=0)
+        except RuntimeError:
+            raise _NotApplicable(f"add needs shapes that broadcast, got {[tuple(p.shape) for p in parts]}") from None
     if op == "fold":
         y = x
         for p in parts[1:]:

@@ -285,6 +285,8 @@ class Encoder(nn.Module):
             # TorchScript still saves it with the module. "none" keeps an empty table for the type.
             table = sinusoidal_table(config.max_length, config.d_model)
             self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
+        # BERT's LayerNorm over word + position (+ token type) embeddings; also over given embeddings.
+        self.ln_emb = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else nn.Identity()
         self.blocks = nn.ModuleList([EncoderBlock(config) for _ in range(config.n_layers)])
         self.ln_f = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
         self.has_rel_bias = config.relative_bias == "shared"  # per_layer tables live in each attention
@@ -305,7 +307,7 @@ class Encoder(nn.Module):
                 _uniform_(p, 1.0, g)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
-            elif name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight")):
+            elif name.endswith(("ln1.weight", "ln2.weight", "ln_f.weight", "ln_emb.weight")):
                 nn.init.ones_(p)
             elif name in ("tok_emb.weight", "pos_emb"):
                 _uniform_(p, 1.0, g)
@@ -381,6 +383,7 @@ class Encoder(nn.Module):
             previous = layer
         if self.has_positions:
             x = x + self.pos_emb[:T]  # (B, T, C) + (T, C)
+        x = self.ln_emb(x)
         # Host lengths only: a device tensor would be read by waiting for the device (no pipelining).
         # -1 for device lengths: neither unpadded nor packed.
         real_tokens = int(lengths.clamp(0, T).sum()) if lengths.device.type == "cpu" else -1

@@ -76,6 +76,8 @@ class ServiceConfig:
     max_sequences_per_call: int = _opt(64, "most sequences in one Encode call")
     max_tokens_per_call: int = _opt(32768, "most tokens (all sequences together) in one Encode call")
     max_message_bytes: int = _opt(64 << 20, "largest request or response message, bytes")
+    max_text_chars: int = _opt(1 << 20, "most characters of text (all sequences together) in one Encode call, "
+                                        "checked before tokenizing")
     max_attention_bytes: int = _opt(16 << 20, "attention weights budget per call, bytes (as returned)")
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
     default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
@@ -127,7 +129,7 @@ class ServiceConfig:
         for name in (
             "max_batch_size", "max_queue_tokens", "max_queue_requests",
             "max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes",
-            "max_stream_inflight", "max_concurrent_streams",
+            "max_stream_inflight", "max_concurrent_streams", "max_text_chars",
         ):
             _check(name, getattr(self, name), 1, None)
         _check("torch_threads", self.torch_threads, 0, None)

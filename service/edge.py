@@ -3,7 +3,8 @@ a call's outcome (error type -> status, cancellation, deadline).
 
 One path for all of them: `Edge.compute` admits a call's jobs and waits for their results;
 `Edge.answer` runs a unary handler's work and turns whatever it raised into the caller's status;
-`Edge.failure` is what a failed request (unary, or one message of a stream) counts and reports.
+`Edge.failure` is what a failed request (unary, or one message of a stream) counts and reports;
+`Edge.stream` is a bidirectional stream's loop and `Edge.answer_in_stream` one request's outcome in it.
 Every exception is mapped: `ServiceError`s by `errors.status_of`, anything else to INTERNAL with a
 reference id (the traceback is logged, never sent). Our own `CancelledError`s never escape a
 handler (a caller would hang until its deadline, grpc/grpc#29248). The final status code of an RPC is
@@ -15,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -138,6 +141,65 @@ class Edge:
             raise asyncio.CancelledError from None
         raise AssertionError("abort returned. This is a bug.")
 
+    async def stream(self, requests: AsyncIterator[bytes],
+                     one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]:
+        """A bidirectional stream: each request answered by `one` (which answers its own failures, see
+        `answer_in_stream`), in completion order.
+
+        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once:
+        a request holds its slot until its answer is taken for sending, and the answers waiting are
+        bounded too, so a caller that sends and never reads stops being read (HTTP/2 flow control
+        then holds its sends) instead of growing the server's memory."""
+        limit = self.config.max_stream_inflight
+        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit)
+        slots = asyncio.Semaphore(limit)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def run(raw: bytes) -> None:
+            try:
+                await out.put(await one(raw))
+            finally:
+                slots.release()
+
+        async def read() -> None:
+            try:
+                async for raw in requests:
+                    await slots.acquire()
+                    task = asyncio.create_task(run(raw))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.wait(set(tasks))
+            finally:
+                await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+            await reader  # surfaces a broken request stream
+        finally:
+            for task in (reader, *tasks):
+                task.cancel()
+
+    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
+                               failed: Callable[[ServiceError], bytes]) -> bytes:
+        """One request of a stream: `work()`, or `failed(error)` with the error a caller sees; counted
+        in attention_requests_total. The stream goes on either way (unless the call is being cancelled)."""
+        started = time.perf_counter()
+        try:
+            response, code = await work(), "OK"
+        except Exception as exc:  # every request of the stream gets an answer, whatever failed
+            error = self.failure(exc, method)
+            response, code = failed(error), status_of(error)
+        except asyncio.CancelledError as exc:
+            if being_cancelled():
+                raise
+            error = self.failure(exc, method)
+            response, code = failed(error), status_of(error)
+        self._metrics.observe_request(method, code, time.perf_counter() - started)
+        return response
+
     def failure(self, exc: BaseException, method: str) -> ServiceError:
         """The error a caller sees for `exc`, counted once in attention_failures_total."""
         if isinstance(exc, ServiceError):
@@ -155,6 +217,14 @@ class Edge:
             log.error("%s failed (ref=%s)", method, error.ref, exc_info=exc)
         self._metrics.failures.labels("internal").inc()
         return error
+
+
+def parse(message_type: Any, raw: bytes) -> Any:
+    """A request message from its bytes; malformed bytes are INVALID_ARGUMENT (grpcio would say UNKNOWN)."""
+    try:
+        return message_type.FromString(raw)
+    except (DecodeError, RuntimeError, ValueError):
+        raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
 
 
 def public(message: str) -> str:

@@ -5,6 +5,7 @@
     │   ├── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
     │   └── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
+    ├── NotFound            NOT_FOUND           no such model or version (the KServe v2 front door)
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
     ├── OutOfMemory         RESOURCE_EXHAUSTED  one sequence does not fit in device memory
     ├── DeadlineExceeded    DEADLINE_EXCEEDED   the deadline passed before the work could be done
@@ -50,6 +51,10 @@ class OutputOverflow(InvalidInput):
 
 
 class FailedPrecondition(ServiceError):
+    pass
+
+
+class NotFound(ServiceError):
     pass
 
 
@@ -101,6 +106,7 @@ class NonFiniteOutput(ModelFailure):
 STATUS_OF: dict[type[ServiceError], str] = {
     InvalidInput: "INVALID_ARGUMENT",
     FailedPrecondition: "FAILED_PRECONDITION",
+    NotFound: "NOT_FOUND",
     Overloaded: "RESOURCE_EXHAUSTED",
     OutOfMemory: "RESOURCE_EXHAUSTED",
     DeadlineExceeded: "DEADLINE_EXCEEDED",
@@ -116,6 +122,7 @@ REASON_OF: dict[type[ServiceError], str] = {
     NonFiniteInput: "nonfinite_input",
     OutputOverflow: "output_overflow",
     FailedPrecondition: "failed_precondition",
+    NotFound: "not_found",
     Overloaded: "queue_full",
     OutOfMemory: "oom",
     DeadlineExceeded: "deadline",

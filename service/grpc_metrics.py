@@ -55,25 +55,29 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             if per_call:
                 m.observe_request(method, code, seconds)
 
+        async def observed(call: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any:
+            """Await a handler that is a coroutine (unary, or streaming by `context.write()`), counted."""
+            m.grpc_started.labels(*labels).inc()
+            started = time.perf_counter()
+            code = "UNKNOWN"
+            try:
+                result = await call
+                code = _code_name(context)
+                return result
+            except grpc.aio.AbortError:
+                code = _code_name(context)
+                raise
+            except asyncio.CancelledError:
+                code = cancel_code(context)
+                raise
+            finally:
+                finish(code, started)
+
         if not handler.response_streaming:
             behavior = handler.unary_unary or handler.stream_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                m.grpc_started.labels(*labels).inc()
-                started = time.perf_counter()
-                code = "UNKNOWN"
-                try:
-                    response = await behavior(request, context)
-                    code = _code_name(context)
-                    return response
-                except grpc.aio.AbortError:
-                    code = _code_name(context)
-                    raise
-                except asyncio.CancelledError:
-                    code = cancel_code(context)
-                    raise
-                finally:
-                    finish(code, started)
+                return await observed(behavior(request, context), context)
 
             factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
                        else grpc.stream_unary_rpc_method_handler)
@@ -88,20 +92,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             # A streaming handler may also be a coroutine that writes with `context.write()` (the
             # standard health servicer's Watch): wrapped as a generator, it would fail with UNKNOWN.
             async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
-                m.grpc_started.labels(*labels).inc()
-                started = time.perf_counter()
-                code = "UNKNOWN"
-                try:
-                    await stream_behavior(request, context)
-                    code = _code_name(context)
-                except grpc.aio.AbortError:
-                    code = _code_name(context)
-                    raise
-                except asyncio.CancelledError:
-                    code = cancel_code(context)
-                    raise
-                finally:
-                    finish(code, started)
+                await observed(stream_behavior(request, context), context)
 
             return factory(writer, request_deserializer=handler.request_deserializer,
                            response_serializer=handler.response_serializer)

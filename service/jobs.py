@@ -5,8 +5,12 @@ servicer and validation depend on these, not on the runner or torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from model.text import TextTokenizer
 
 POOL_NONE, POOL_MEAN, POOL_CLS = 0, 1, 2
 
@@ -22,6 +26,7 @@ class Job:
     heads_mean: bool = False
     pooling: int = POOL_NONE
     return_hidden: bool = True
+    normalize: bool = False  # L2-normalise the pooled vector (fp32, on the device)
 
     @property
     def length(self) -> int:
@@ -58,3 +63,4 @@ class ModelSpec:
     positional: str
     precision: str
     device: str
+    tokenizer: TextTokenizer | None = None  # text bundles: strings -> ids, in validation

@@ -36,6 +36,12 @@ def check_representable(outputs: Sequence[Output], output_dtype: int, attention_
         _check("attention.dtype", [o.attention for o in outputs if o.attention is not None], attention_dtype)
 
 
+def check_arrays(field: str, arrays: list[np.ndarray], dtype: int) -> None:
+    """The same check for one output named `field` (the KServe v2 front door names its tensors)."""
+    if dtype in _OVERFLOWS_AT:
+        _check(field, arrays, dtype)
+
+
 def _check(field: str, arrays: list[np.ndarray], dtype: int) -> None:
     # max and -min rather than abs().max(): no temporary copy of a large output.
     largest = max((max(float(a.max()), -float(a.min())) for a in arrays if a.size), default=0.0)

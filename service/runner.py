@@ -91,7 +91,7 @@ class Runner:
             name=m.name, version=m.version, checksum=m.sha256,
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
             max_length=cfg.max_length, positional=cfg.positional,
-            precision=self.precision, device=str(self.device),
+            precision=self.precision, device=str(self.device), tokenizer=bundle.tokenizer,
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)
@@ -309,7 +309,9 @@ class Runner:
             # Pooled on the device, so a batch that returns only pooled vectors copies B x D values
             # back rather than B x T x D (on a GPU the copy of a large batch costs a good part of its
             # forward); on CPU it saves the per-row pooling.
-            pooled = _pool(hidden, lengths) if any(job.pooling != POOL_NONE for job in jobs) else None
+            pooled = None
+            if any(job.pooling != POOL_NONE for job in jobs):
+                pooled = _pool(hidden, lengths, normalized=any(job.normalize for job in jobs))
             if attention is not None:
                 if first.heads_mean:
                     attention = attention.mean(dim=2, keepdim=True)  # (B, L, 1, T, T)
@@ -369,7 +371,7 @@ class _Result:
     """A batch's results on the host, fp32, as numpy views of the batch's tensors; None: not asked for."""
 
     hidden: np.ndarray | None  # [B, T, D]: None when no sequence returns hidden states
-    pooled: np.ndarray | None  # [B, 2, D]: (mean over the real tokens, first token); None without pooling
+    pooled: np.ndarray | None  # [B, 2 or 4, D]: (mean, first token[, both L2-normalised]); None without pooling
     attention: np.ndarray | None  # [B, L, H or 1, T, T]
     finite: list[bool]  # per row: hidden states (padding excluded) and attention all finite
 
@@ -381,7 +383,7 @@ class _Enqueued:
 
     precision: str
     hidden: torch.Tensor | None  # fp32 [B, T, D], as _Result
-    pooled: torch.Tensor | None  # fp32 [B, 2, D]
+    pooled: torch.Tensor | None  # fp32 [B, 2 or 4, D]
     attention: torch.Tensor | None  # fp32 [B, L, H or 1, T, T]
     finite: torch.Tensor  # bool [B]
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # (start, done), timing the device work
@@ -416,12 +418,17 @@ def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
     return tensor.numpy() if tensor is not None else None
 
 
-def _pool(hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """(B, 2, D): each row's mean over its real tokens, and its first token."""
+def _pool(hidden: torch.Tensor, lengths: torch.Tensor, normalized: bool = False) -> torch.Tensor:
+    """(B, 2, D): each row's mean over its real tokens, and its first token; (B, 4, D) with `normalized`:
+    then both again, L2-normalised. hidden is fp32, so both are computed in fp32."""
     real = torch.arange(hidden.shape[1], device=hidden.device)[None, :, None] < lengths[:, None, None]  # (B, T, 1)
     # where, not a product with the mask: 0 x NaN in a padded position would be NaN.
     mean = torch.where(real, hidden, 0.0).sum(dim=1) / lengths[:, None].to(hidden.dtype)
-    return torch.stack((mean, hidden[:, 0]), dim=1)
+    pooled = torch.stack((mean, hidden[:, 0]), dim=1)  # (B, 2, D)
+    if not normalized:
+        return pooled
+    # x / max(|x|, 1e-12): sentence-transformers' Normalize (F.normalize), so a zero vector stays zero.
+    return torch.cat((pooled, torch.nn.functional.normalize(pooled, p=2.0, dim=-1)), dim=1)  # (B, 4, D)
 
 
 def _split(job: Job, result: _Result, row: int, *, fp32_rerun: bool) -> Output:
@@ -430,7 +437,7 @@ def _split(job: Job, result: _Result, row: int, *, fp32_rerun: bool) -> Output:
     hidden = result.hidden[row, : job.length] if job.return_hidden and result.hidden is not None else None
     pooled = None
     if job.pooling != POOL_NONE and result.pooled is not None:
-        pooled = result.pooled[row, 0 if job.pooling == POOL_MEAN else 1]
+        pooled = result.pooled[row, (0 if job.pooling == POOL_MEAN else 1) + (2 if job.normalize else 0)]
     att = None
     if result.attention is not None:
         att = np.ascontiguousarray(result.attention[row, :, :, : job.length, : job.length])  # (L, H, T, T)

@@ -38,6 +38,8 @@ from service.edge import Edge, Serving
 from service.fault_hooks import FaultHooks
 from service.grpc_metrics import MetricsInterceptor
 from service.jobs import Job, ModelSpec
+from service.kserve import SERVICE_NAME as KSERVE_NAME
+from service.kserve import KServeServicer
 from service.metrics import Metrics
 from service.runner import Runner
 from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
@@ -112,18 +114,22 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.hooks = FaultHooks.from_config(config)
         self.threads = ModelThreads(model_workers(config))
-        self.servicer = AttentionServicer(Edge(config, self.serving, self.metrics), self.metrics)
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics, [SERVICE_NAME])]
+        edge = Edge(config, self.serving, self.metrics)
+        self.servicer = AttentionServicer(edge, self.metrics)
+        # The KServe v2 front door: the same edge (admission, batcher, outcome), error table and metrics.
+        self.kserve = KServeServicer(edge, self.metrics, len(self.threads))
+        doors = [SERVICE_NAME, KSERVE_NAME]
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics, doors)]
         tokens = load_tokens(config)
         if tokens:
             # Outermost: nothing else runs for an unauthenticated call.
             interceptors.insert(0, AuthInterceptor(TokenChecker(tokens), self.metrics))
         self.grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(),))
+        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(), self.kserve.rpc_handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         if config.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
-                                                self.grpc)
+            names = (SERVICE_NAME, KSERVE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+            reflection.enable_server_reflection(names, self.grpc)
         self.health_grpc: grpc.aio.Server | None = None
         address = f"{config.host}:{config.port}"
         credentials = server_credentials(config)
@@ -303,15 +309,15 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
 
 
 def ledger(registry: CollectorRegistry) -> dict[str, Any]:
-    """The AttentionService call ledger from the metrics: every started call handled, by code, and
-    what the queue still holds. Read at exit, and by tests."""
+    """The call ledger of both front doors (AttentionService, KServe v2) from the metrics: every
+    started call handled, by code, and what the queue still holds. Read at exit, and by tests."""
     started = 0.0
     handled: dict[str, float] = {}
     dropped: dict[str, float] = {}
     values: dict[str, float] = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.labels.get("grpc_service") == SERVICE_NAME:
+            if sample.labels.get("grpc_service") in (SERVICE_NAME, KSERVE_NAME):
                 if sample.name == "grpc_server_started_total":
                     started += sample.value
                 elif sample.name == "grpc_server_handled_total":

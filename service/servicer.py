@@ -8,22 +8,21 @@ INVALID_ARGUMENT instead of grpcio's UNKNOWN.
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import SERVICE_NAME, fill_tensor
 from service.batching import Done
-from service.edge import Edge, being_cancelled, public, remaining
-from service.errors import InvalidInput, NonFiniteInput, ServiceError, status_of
+from service.edge import Edge, parse, public, remaining
+from service.errors import NonFiniteInput, ServiceError, status_of
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_representable
-from service.validation import Plan, validate
+from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, validate
 
 
 class AttentionServicer:
@@ -36,7 +35,7 @@ class AttentionServicer:
 
     async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            request = _parse(pb.EncodeRequest, raw)
+            request = parse(pb.EncodeRequest, raw)
             response = await self._encode(request, remaining(context, self._config))
             data: bytes = response.SerializeToString()
             return data
@@ -45,7 +44,7 @@ class AttentionServicer:
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            _parse(pb.GetModelInfoRequest, raw)
+            parse(pb.GetModelInfoRequest, raw)
             data: bytes = self._model_info().SerializeToString()
             return data
 
@@ -54,64 +53,35 @@ class AttentionServicer:
     async def encode_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        """One response per request, in completion order; a failed request answers with `error` set.
+        """One response per request, in completion order, flow-controlled (`Edge.stream`); a failed
+        request answers with `error` set."""
+        async def one(raw: bytes) -> bytes:
+            request_id = ""
 
-        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once:
-        a request holds its slot until its answer is taken for sending, and the answers waiting are
-        bounded too, so a caller that sends and never reads stops being read (HTTP/2 flow control
-        then holds its sends) instead of growing the server's memory."""
-        limit = self._config.max_stream_inflight
-        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit)
-        slots = asyncio.Semaphore(limit)
-        tasks: set[asyncio.Task[None]] = set()
+            async def work() -> bytes:
+                nonlocal request_id
+                request = parse(pb.EncodeRequest, raw)
+                request_id = request.request_id
+                data: bytes = (await self._encode(request, remaining(context, self._config))).SerializeToString()
+                return data
 
-        async def one(raw: bytes) -> None:
-            try:
-                started = time.perf_counter()
-                request_id = ""
-                try:
-                    request = _parse(pb.EncodeRequest, raw)
-                    request_id = request.request_id
-                    response = await self._encode(request, remaining(context, self._config))
-                except Exception as exc:  # every request of the stream gets an answer, whatever failed
-                    response = _stream_error(request_id, self._edge.failure(exc, "EncodeStream"))
-                except asyncio.CancelledError as exc:
-                    if being_cancelled():
-                        raise
-                    response = _stream_error(request_id, self._edge.failure(exc, "EncodeStream"))
-                seconds = time.perf_counter() - started
-                self._metrics.observe_request("EncodeStream", response.error.code or "OK", seconds)
-                await out.put(response.SerializeToString())
-            finally:
-                slots.release()
+            return await self._edge.answer_in_stream(
+                "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())
 
-        async def read() -> None:
-            try:
-                async for raw in requests:
-                    await slots.acquire()
-                    task = asyncio.create_task(one(raw))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.wait(set(tasks))
-            finally:
-                await out.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await out.get()) is not None:
-                yield item
-            await reader  # surfaces a broken request stream
-        finally:
-            for task in (reader, *tasks):
-                task.cancel()
+        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
+            async for response in responses:
+                yield response
 
     # -- the call ---------------------------------------------------------------------------------
 
     async def _encode(self, request: pb.EncodeRequest, seconds: float) -> pb.EncodeResponse:
         spec, _ = self._edge.serving.require_ready()
         try:
-            plan = validate(request, spec, self._config)
+            if spec.tokenizer is not None and text_chars(request) > TOKENIZE_INLINE_CHARS:
+                # The Rust tokenizer releases the GIL: a big call tokenizes beside the event loop, not on it.
+                plan = await asyncio.to_thread(validate, request, spec, self._config)
+            else:
+                plan = validate(request, spec, self._config)
         except NonFiniteInput:
             self._metrics.nonfinite_inputs.inc()
             raise
@@ -122,7 +92,7 @@ class AttentionServicer:
     def _model_info(self) -> pb.ModelInfo:
         spec, _ = self._edge.serving.require_ready()
         c = self._config
-        return pb.ModelInfo(
+        info = pb.ModelInfo(
             name=spec.name, version=spec.version, checksum=spec.checksum, d_model=spec.d_model,
             n_heads=spec.n_heads, n_layers=spec.n_layers, vocab_size=spec.vocab_size, max_length=spec.max_length,
             positional=spec.positional, precision=spec.precision, device=spec.device,
@@ -131,6 +101,15 @@ class AttentionServicer:
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
             ),
         )
+        if spec.tokenizer is not None:
+            t = spec.tokenizer.settings
+            info.text.CopyFrom(pb.TextInfo(
+                accepted=True, max_tokens=t.max_tokens, truncation_side=t.truncation_side,
+                default_pooling=pb.POOLING_MEAN if t.pooling == "mean" else pb.POOLING_CLS,
+                default_normalize=t.normalize, prompts=t.prompts, default_prompt_name=t.default_prompt_name,
+                tokenizer_checksum=t.tokenizer_sha256, max_text_chars=c.max_text_chars,
+            ))
+        return info
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
         serialize: Any = bytes
@@ -147,13 +126,6 @@ def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
         code=status_of(error), message=public(error.message), field=public(getattr(error, "field", ""))))
 
 
-def _parse(message_type: Any, raw: bytes) -> Any:
-    try:
-        return message_type.FromString(raw)
-    except (DecodeError, RuntimeError, ValueError):
-        raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
-
-
 def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeResponse:
     widest = max(done, key=lambda d: d.batch_size)
     response = pb.EncodeResponse(request_id=plan.request_id, metadata=pb.ResponseMetadata(
@@ -162,10 +134,15 @@ def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeRes
         fp32_retry=any(d.output.fp32_rerun for d in done), device=spec.device, model_name=spec.name,
         model_version=spec.version,
     ))
-    for result in done:
+    for i, result in enumerate(done):
         out: Output = result.output
         # Filled in place: building submessages and then the response from them copies every tensor twice.
-        seq = response.outputs.add(nonfinite=out.fp32_rerun)
+        text = plan.texts[i] if plan.texts else None
+        seq = response.outputs.add(nonfinite=out.fp32_rerun, token_count=plan.jobs[i].length,
+                                   truncated=text is not None and text.truncated)
+        if text is not None and plan.return_tokens:
+            fill_tensor(seq.token_ids, text.ids, pb.DTYPE_INT64)
+            seq.tokens.extend(text.tokens)
         if out.hidden is not None:
             fill_tensor(seq.hidden, out.hidden, plan.output_dtype)
         if out.pooled is not None:

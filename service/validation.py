@@ -3,11 +3,16 @@
 Every check names the field (and index) it refers to; one bad sequence fails its own call with
 INVALID_ARGUMENT and never reaches a batch. Sizes of the response (hidden states and attention
 weights) are computed here, up front, so that nothing is computed only to be refused at send time.
+Text is tokenized here (the batcher only ever sees token ids), with the model's tokenizer: the call's
+characters are counted before tokenizing, its tokens after. The servicer runs `validate` in a worker
+thread when a call carries much text (`TOKENIZE_INLINE_CHARS`), off the event loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,13 +20,20 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
-from service.jobs import Job, ModelSpec
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
+
+if TYPE_CHECKING:
+    from model.text import Encoded
 
 OUTPUT_DTYPES = (pb.DTYPE_UNSPECIFIED, *FLOAT_DTYPES)
 MAX_REQUEST_ID = 128
 MAX_EMBEDDING_ABS = 1e6  # far above any trained embedding; far below where float32 LayerNorm overflows
 _POOLINGS = frozenset(pb.Pooling.values())  # .values() builds a list on every call
 _HEAD_REDUCTIONS = frozenset(pb.HeadReduction.values())
+# Calls with more text than this are validated (tokenized) in a worker thread: below it, the hop costs
+# more than the tokenizer (about 1 us per character here).
+TOKENIZE_INLINE_CHARS = 4096
+_MODEL_POOLING = {"mean": POOL_MEAN, "cls": POOL_CLS}
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,8 @@ class Plan:
     jobs: list[Job]
     output_dtype: int  # a float DType
     attention_dtype: int
+    texts: tuple[Encoded | None, ...] = ()  # per sequence: how its text was tokenized (None: not text)
+    return_tokens: bool = False
 
     @property
     def tokens(self) -> int:
@@ -49,6 +63,8 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
     attention_dtype = _float_dtype("attention.dtype", att.dtype)
     if out.pooling not in _POOLINGS:
         raise InvalidInput("output.pooling", f"unknown value {out.pooling}")
+    texts = _tokenize(request, spec, config)
+    pooling, normalize = _pooling(out, spec)
     if att.heads not in _HEAD_REDUCTIONS:
         raise InvalidInput("attention.heads", f"unknown value {att.heads}")
     layers = _attention_layers(att, spec, config)
@@ -58,15 +74,103 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
 
     jobs = []
     for i, sequence in enumerate(request.sequences):
-        token_ids, embeddings = _decode_input(i, sequence, spec)
+        encoded = texts[i] if texts else None
+        token_ids, embeddings = (encoded.ids, None) if encoded is not None else _decode_input(i, sequence, spec)
         jobs.append(Job(
             token_ids=token_ids, embeddings=embeddings, causal=request.causal, attn_layers=layers,
-            heads_mean=att.heads == pb.HEADS_MEAN, pooling=int(out.pooling), return_hidden=return_hidden,
+            heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
+            normalize=normalize,
         ))
-    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype)
+    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype, texts, out.return_tokens)
     if plan.tokens > config.max_tokens_per_call:
         raise InvalidInput("sequences", f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
     _check_sizes(plan, spec, config)
+    return plan
+
+
+def text_chars(request: pb.EncodeRequest) -> int:
+    """Characters of text the call carries (to decide where to tokenize it)."""
+    return sum(len(s.text) for s in request.sequences if s.WhichOneof("input") == "text")
+
+
+def _pooling(out: pb.OutputOptions, spec: ModelSpec) -> tuple[int, bool]:
+    """(pooling, normalize) of the call: POOLING_MODEL and an unset normalize take the model's defaults."""
+    settings = spec.tokenizer.settings if spec.tokenizer is not None else None
+    pooling = int(out.pooling)
+    if pooling == pb.POOLING_MODEL:
+        if settings is None:
+            raise InvalidInput("output.pooling", "POOLING_MODEL needs a model served with a tokenizer "
+                               "(ModelInfo.text); use POOLING_MEAN or POOLING_CLS")
+        pooling = _MODEL_POOLING[settings.pooling]
+    if out.HasField("normalize"):
+        if out.normalize and pooling == POOL_NONE:
+            raise InvalidInput("output.normalize", "normalizes the pooled vector: set output.pooling")
+        return pooling, out.normalize
+    return pooling, settings is not None and settings.normalize and pooling != POOL_NONE
+
+
+def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> tuple[Encoded | None, ...]:
+    """The call's texts tokenized, per sequence (None where a sequence is not text); () without text."""
+    kinds = [s.WhichOneof("input") for s in request.sequences]
+    if "text" not in kinds:
+        if request.output.prompt_name:
+            raise InvalidInput("output.prompt_name", "applies to text; the call sends none")
+        return ()
+    tokenizer = spec.tokenizer
+    if tokenizer is None:
+        raise InvalidInput(f"sequences[{kinds.index('text')}].text",
+                           f"model {spec.name} takes no text (it has no tokenizer); send token_ids")
+    chars = text_chars(request)
+    if chars > config.max_text_chars:
+        raise InvalidInput("sequences", f"{chars} characters of text in all; at most {config.max_text_chars} per call")
+    try:
+        prompt = tokenizer.prompt(request.output.prompt_name)
+    except KeyError:
+        raise InvalidInput("output.prompt_name", f"unknown prompt {request.output.prompt_name!r}; the model has "
+                           f"{sorted(tokenizer.settings.prompts)}") from None
+    where = [i for i, kind in enumerate(kinds) if kind == "text"]
+    encoded = tokenizer.encode([request.sequences[i].text for i in where], truncate=request.truncate, prompt=prompt)
+    limit = tokenizer.settings.max_tokens
+    out: list[Encoded | None] = [None] * len(kinds)
+    for i, enc in zip(where, encoded, strict=True):
+        if len(enc.ids) > limit:
+            raise InvalidInput(f"sequences[{i}].text", f"{enc.full_length} tokens (special tokens included), over "
+                               f"the model's limit of {limit}; shorten it, or set truncate to cut it")
+        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
+            raise InvalidInput(f"sequences[{i}].text", f"the tokenizer gave id {int(enc.ids.max())}, outside the "
+                               f"model's vocabulary of {spec.vocab_size}")
+        out[i] = enc
+    return tuple(out)
+
+
+def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions, att: pb.AttentionOptions,
+                  spec: ModelSpec, config: ServiceConfig, *, request_id: str = "", padded_to: int = 0,
+                  layers_field: str = "attention.layers") -> Plan:
+    """Token-id rows (int32/int64 [T_i] each, already cut to their real length) -> a `Plan`, with the
+    checks `validate` makes. For callers that decode their own wire format (service/kserve.py):
+    `field` names the tensor in errors (`field[i, j]`), and `padded_to` sizes a response that pads
+    every row back to the request's length."""
+    n = len(rows)
+    if not 1 <= n <= config.max_sequences_per_call:
+        raise InvalidInput(field, f"must hold 1..{config.max_sequences_per_call} sequences; got {n}")
+    if out.pooling not in _POOLINGS:
+        raise InvalidInput("pooling", f"unknown value {out.pooling}")
+    pooling, normalize = _pooling(out, spec)
+    layers = _attention_layers(att, spec, config, layers_field)
+    return_hidden = out.return_hidden if out.HasField("return_hidden") else True
+    jobs = []
+    for i, row in enumerate(rows):
+        if not 1 <= len(row) <= spec.max_length:
+            raise InvalidInput(f"{field}[{i}]", f"length must be 1..{spec.max_length}; got {len(row)}")
+        if (j := _first_out_of_vocab(row, spec.vocab_size)) is not None:
+            raise InvalidInput(f"{field}[{i}, {j}]", f"id {int(row[j])} not in [0, {spec.vocab_size})")
+        jobs.append(Job(token_ids=row.astype(np.int64, copy=False), embeddings=None, attn_layers=layers,
+                        heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
+                        normalize=normalize))
+    plan = Plan(request_id, jobs, _float_dtype("datatype", out.dtype), _float_dtype("datatype", att.dtype))
+    if plan.tokens > config.max_tokens_per_call:
+        raise InvalidInput(field, f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
+    _check_sizes(plan, spec, config, padded_to or None)
     return plan
 
 
@@ -76,10 +180,11 @@ def _float_dtype(field: str, dtype: int) -> int:
     return dtype if dtype != pb.DTYPE_UNSPECIFIED else pb.DTYPE_FLOAT32
 
 
-def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: ServiceConfig) -> tuple[int, ...]:
+def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: ServiceConfig,
+                      field: str = "attention.layers") -> tuple[int, ...]:
     if not att.return_attention:
         if att.layers:
-            raise InvalidInput("attention.layers", "given, but return_attention is false")
+            raise InvalidInput(field, "given, but return_attention is false")
         return ()
     if not config.allow_attention:
         raise FailedPrecondition("return_attention is disabled on this deployment")
@@ -89,10 +194,10 @@ def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: Service
     layers = []
     for j, layer in enumerate(att.layers):
         if not -L <= layer < L:
-            raise InvalidInput(f"attention.layers[{j}]", f"layer {layer} not in [-{L}, {L})")
+            raise InvalidInput(f"{field}[{j}]", f"layer {layer} not in [-{L}, {L})")
         layer %= L
         if layer in layers:
-            raise InvalidInput(f"attention.layers[{j}]", f"layer {layer} asked for twice")
+            raise InvalidInput(f"{field}[{j}]", f"layer {layer} asked for twice")
         layers.append(layer)
     return tuple(layers)
 
@@ -121,9 +226,7 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     except TensorError as exc:
         raise InvalidInput(field, str(exc)) from None
     if kind == "token_ids":
-        # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
-        if int(array.view(array.dtype.str.replace("i", "u")).max()) >= spec.vocab_size:
-            j = int(np.flatnonzero((array < 0) | (array >= spec.vocab_size))[0])
+        if (j := _first_out_of_vocab(array, spec.vocab_size)) is not None:
             raise InvalidInput(f"{field}[{j}]", f"id {int(array[j])} not in [0, {spec.vocab_size})")
         return array.astype(np.int64, copy=False), None  # int64 ids stay a view of the request's bytes
     embeddings = array.astype(np.float32)
@@ -137,11 +240,20 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     return None, embeddings
 
 
-def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig) -> None:
-    """Refuse, before any compute, a call whose attention or whole response would be over budget."""
+def _first_out_of_vocab(ids: np.ndarray, vocab_size: int) -> int | None:
+    """The index of the first id outside [0, vocab_size), or None."""
+    # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
+    if int(ids.view(ids.dtype.str.replace("i", "u")).max()) < vocab_size:
+        return None
+    return int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+
+
+def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, padded_to: int | None = None) -> None:
+    """Refuse, before any compute, a call whose attention or whole response would be over budget.
+    `padded_to`: the response pads every sequence to this length (the KServe v2 front door)."""
     first = plan.jobs[0]
     heads = 1 if first.heads_mean else spec.n_heads
-    attention = sum(len(job.attn_layers) * heads * job.length**2 for job in plan.jobs)
+    attention = sum(len(job.attn_layers) * heads * (padded_to or job.length)**2 for job in plan.jobs)
     attention *= ITEMSIZE[plan.attention_dtype]
     if attention > config.max_attention_bytes:
         raise InvalidInput(
@@ -149,7 +261,13 @@ def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig) -> None:
             f"attention weights would be {attention} bytes, over the budget of {config.max_attention_bytes} bytes; "
             "ask for fewer layers, heads=HEADS_MEAN, FLOAT16, or shorter sequences",
         )
-    total = response_bytes(plan, spec)
+    if padded_to is None:
+        total = response_bytes(plan, spec)
+    else:  # a KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope
+        per_value = ITEMSIZE[plan.output_dtype]
+        hidden = sum(padded_to for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
+        pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
+        total = hidden + pooled + attention + 1024 + len(plan.request_id)  # + names, shapes, parameters
     if total > config.max_message_bytes:
         raise InvalidInput(
             "sequences", f"the response would be {total} bytes, over max_message_bytes {config.max_message_bytes}"

@@ -77,3 +77,7 @@ async def start_server(tiny_bundle: Path) -> AsyncIterator[Callable[..., Any]]:
 @pytest.fixture
 async def served(start_server: Callable[..., Any]) -> Running:
     return await start_server()
+
+
+# Hugging Face models (text in): session fixtures, so the real model is converted once per run.
+from tests.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401

@@ -17,7 +17,8 @@ CFG = tiny(positional="learned", final_norm=True)
 # A source that stores our weights in every way an op undoes: q/k/v apart, transposed, a shared head
 # matrix, a factored projection, no biases where ours are zero, LayerNorm weights absent where ours are 1.
 PARAMS = {
-    "tok_emb.weight": {"op": "copy", "src": "emb", "times": 0.5},
+    "tok_emb.weight": {"op": "add", "src": [{"op": "copy", "src": "emb", "times": 0.5},
+                                            {"op": "row0", "src": "emb_type"}]},
     "pos_emb": {"op": "reshape", "src": "pos"},
     "blocks.{i}.attn.qkv.weight": {"op": "concat", "src": [
         {"op": "block_diag", "src": "{p}{i}.q_head"}, {"op": "transpose", "src": "{p}{i}.k_in_out"},
@@ -49,10 +50,10 @@ def _source(config: EncoderConfig) -> tuple[dict[str, torch.Tensor], Encoder]:
 
     C, hs, nh, L, F = config.d_model, config.d_head, config.n_heads, config.max_length, config.d_ff
     src: dict[str, torch.Tensor] = {"emb": r(config.vocab_size, C), "pos": r(1, L, C), "norm.weight": r(C),
-                                    "norm.bias": r(C), "buffer.unused": r(3)}
+                                    "norm.bias": r(C), "buffer.unused": r(3), "emb_type": r(2, C)}
     want = Encoder(config)
     sd = want.state_dict()
-    sd["tok_emb.weight"], sd["pos_emb"] = src["emb"] * 0.5, src["pos"][0]
+    sd["tok_emb.weight"], sd["pos_emb"] = src["emb"] * 0.5 + src["emb_type"][0], src["pos"][0]
     sd["ln_f.weight"], sd["ln_f.bias"] = src["norm.weight"], src["norm.bias"]
     for i in range(config.n_layers):
         p, b = f"layers.{i}.", f"blocks.{i}."
@@ -91,7 +92,7 @@ def _toml_value(v: object) -> str:
 
 @pytest.mark.parametrize("suffix", [".json", ".toml"])
 def test_every_op_rebuilds_our_parameters_exactly(suffix: str, tmp_path: Path) -> None:
-    assert {"copy", "reshape", "transpose", "concat", "block_diag", "fold", "zeros", "ones"} == set(OPS)
+    assert {"copy", "reshape", "transpose", "concat", "block_diag", "fold", "add", "row0", "zeros", "ones"} == set(OPS)
     path = tmp_path / f"map{suffix}"
     path.write_text(json.dumps(MAP) if suffix == ".json" else _toml(MAP))
     src, want = _source(CFG)

@@ -21,6 +21,7 @@ class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_NONE: _ClassVar[Pooling]
     POOLING_MEAN: _ClassVar[Pooling]
     POOLING_CLS: _ClassVar[Pooling]
+    POOLING_MODEL: _ClassVar[Pooling]
 
 class HeadReduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ DTYPE_INT64: DType
 POOLING_NONE: Pooling
 POOLING_MEAN: Pooling
 POOLING_CLS: Pooling
+POOLING_MODEL: Pooling
 HEADS_ALL: HeadReduction
 HEADS_MEAN: HeadReduction
 
@@ -49,22 +51,30 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Sequence(_message.Message):
-    __slots__ = ("token_ids", "embeddings")
+    __slots__ = ("token_ids", "embeddings", "text")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     token_ids: Tensor
     embeddings: Tensor
-    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    text: str
+    def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("return_hidden", "pooling", "dtype")
+    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens")
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     return_hidden: bool
     pooling: Pooling
     dtype: DType
-    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    normalize: bool
+    prompt_name: str
+    return_tokens: bool
+    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ...) -> None: ...
 
 class AttentionOptions(_message.Message):
     __slots__ = ("return_attention", "layers", "heads", "dtype")
@@ -79,18 +89,20 @@ class AttentionOptions(_message.Message):
     def __init__(self, return_attention: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ..., heads: _Optional[_Union[HeadReduction, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "output", "attention", "causal")
+    __slots__ = ("request_id", "sequences", "output", "attention", "causal", "truncate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     CAUSAL_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     output: OutputOptions
     attention: AttentionOptions
     causal: bool
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ...) -> None: ...
+    truncate: bool
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class ResponseMetadata(_message.Message):
     __slots__ = ("queue_us", "compute_us", "batch_size", "padded_length", "precision", "fp32_retry", "device", "model_name", "model_version")
@@ -115,16 +127,24 @@ class ResponseMetadata(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., padded_length: _Optional[int] = ..., precision: _Optional[str] = ..., fp32_retry: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("hidden", "pooled", "attention", "nonfinite")
+    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     pooled: Tensor
     attention: Tensor
     nonfinite: bool
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ...) -> None: ...
+    token_count: int
+    truncated: bool
+    token_ids: Tensor
+    tokens: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "field")
@@ -164,8 +184,37 @@ class Limits(_message.Message):
     max_attention_bytes: int
     def __init__(self, max_sequences_per_call: _Optional[int] = ..., max_tokens_per_call: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_attention_bytes: _Optional[int] = ...) -> None: ...
 
+class TextInfo(_message.Message):
+    __slots__ = ("accepted", "max_tokens", "truncation_side", "default_pooling", "default_normalize", "prompts", "default_prompt_name", "tokenizer_checksum", "max_text_chars")
+    class PromptsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_POOLING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    MAX_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    max_tokens: int
+    truncation_side: str
+    default_pooling: Pooling
+    default_normalize: bool
+    prompts: _containers.ScalarMap[str, str]
+    default_prompt_name: str
+    tokenizer_checksum: str
+    max_text_chars: int
+    def __init__(self, accepted: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., default_prompt_name: _Optional[str] = ..., tokenizer_checksum: _Optional[str] = ..., max_text_chars: _Optional[int] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits")
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +227,7 @@ class ModelInfo(_message.Message):
     PRECISION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     checksum: str
@@ -190,4 +240,5 @@ class ModelInfo(_message.Message):
     precision: str
     device: str
     limits: Limits
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ...) -> None: ...
+    text: TextInfo
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ...) -> None: ...

