@@ -190,7 +190,8 @@ class KServeServicer:
         described = {"d_model": spec.d_model, "n_heads": spec.n_heads, "n_layers": spec.n_layers,
                      "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
                      "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
-                     "max_attention_bytes": c.max_attention_bytes}
+                     "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
+                     "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias}
         config = mc.ModelConfig(
             name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=ids + optional,
             output=[mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims) for name, dims in self._outputs(spec)],

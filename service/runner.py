@@ -86,6 +86,7 @@ class Runner:
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
             max_length=cfg.max_length, positional=cfg.positional,
             precision=self.precision, device=str(self.device), tokenizer=bundle.tokenizer,
+            attention_scale=cfg.scale, standard_scale=cfg.attention_scale is None, relative_bias=cfg.relative_bias,
         )
         return self.spec
 
