@@ -242,6 +242,9 @@ class ModelInfo:
     device: str
     limits: Limits
     text: TextInfo | None = None  # None: the model takes token ids and embeddings only
+    attention_scale: float = 0.0  # the scale the model's attention scores use
+    standard_scale: bool = True  # ... 1/sqrt(d_head); False: the model was trained with another
+    relative_bias: str = "none"  # none | shared | per_layer
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -252,4 +255,5 @@ class ModelInfo:
                         bool(t.default_normalize), dict(t.prompts), t.default_prompt_name, t.tokenizer_checksum,
                         int(t.max_text_chars)) if t.accepted else None
         return cls(m.name, m.version, m.checksum, int(m.d_model), int(m.n_heads), int(m.n_layers),
-                   int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text)
+                   int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text,
+                   float(m.attention_scale), bool(m.standard_scale), m.relative_bias or "none")

@@ -64,3 +64,6 @@ class ModelSpec:
     precision: str
     device: str
     tokenizer: TextTokenizer | None = None  # text bundles: strings -> ids, in validation
+    attention_scale: float = 0.0  # the scale the scores are multiplied by
+    standard_scale: bool = True  # ... 1/sqrt(d_head); False: the manifest asked for another
+    relative_bias: str = "none"

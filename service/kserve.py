@@ -22,6 +22,7 @@ tables):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import time
@@ -41,7 +42,7 @@ from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceEr
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_arrays
-from service.validation import MAX_REQUEST_ID, Plan, validate_rows
+from service.validation import MAX_REQUEST_ID, TOKENIZE_INLINE_CHARS, Plan, tokenize, validate_rows
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 SERVER_NAME = "attention-service"
@@ -55,12 +56,12 @@ DEFAULT_OUTPUTS = (HIDDEN, POOLED)
 _INT_TYPES: dict[str, np.dtype[Any]] = {"INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
 _FLOAT_TYPES = {"FP32": pb.DTYPE_FLOAT32, "FP16": pb.DTYPE_FLOAT16, "BF16": pb.DTYPE_BFLOAT16}
 _ITEMSIZE = {"FP32": 4, "FP16": 2, "BF16": 2}
-_POOLINGS = {"mean": POOL_MEAN, "cls": POOL_CLS}
+_POOLINGS = {"mean": POOL_MEAN, "cls": POOL_CLS, "model": pb.POOLING_MODEL}  # model: a text bundle's own
 _HEADS = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
 # Request parameters tritonclient or Triton itself may send, accepted and not acted on.
 _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
-                         "timeout"}) | _IGNORED
+                         "timeout", "normalize", "truncate", "prompt_name"}) | _IGNORED
 _INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
 
@@ -190,7 +191,8 @@ class KServeServicer:
         described = {"d_model": spec.d_model, "n_heads": spec.n_heads, "n_layers": spec.n_layers,
                      "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
                      "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
-                     "max_attention_bytes": c.max_attention_bytes}
+                     "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
+                     "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias}
         config = mc.ModelConfig(
             name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=ids + optional,
             output=[mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims) for name, dims in self._outputs(spec)],
@@ -239,6 +241,22 @@ class KServeServicer:
 
     # -- inference --------------------------------------------------------------------------------
 
+    async def _tokenized(self, texts: list[str], spec: ModelSpec, params: dict[str, Any]) -> list[np.ndarray]:
+        """The `text` rows as token ids (off the event loop for a big call), every text limit checked."""
+        truncate, prompt = params.get("truncate", False), params.get("prompt_name", "")
+        if not isinstance(truncate, bool):
+            raise InvalidInput("parameters.truncate", f"must be a bool; got {_shown(truncate)}")
+        if not isinstance(prompt, str):
+            raise InvalidInput("parameters.prompt_name", f"must be a string; got {_shown(prompt)}")
+        fields = [f"{TEXT}[{i}]" for i in range(len(texts))]
+
+        def run() -> list[np.ndarray]:
+            return [enc.ids for enc in tokenize(texts, spec, self._config, fields=fields, truncate=truncate,
+                                                 prompt_name=prompt, all_field=TEXT,
+                                                 prompt_field="parameters.prompt_name")]
+
+        return await asyncio.to_thread(run) if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS else run()
+
     async def _infer(self, request: Any, seconds: float) -> Any:
         if len(request.id) > MAX_REQUEST_ID:
             raise InvalidInput("id", f"at most {MAX_REQUEST_ID} characters; got {len(request.id)}")
@@ -246,15 +264,21 @@ class KServeServicer:
         if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
             seconds = min(seconds, timeout_us / 1e6)
         spec = self._served(request.model_name, request.model_version)
-        inputs = _inputs(request)
+        inputs, texts = _inputs(request)
         outputs = _requested(request, self._config.allow_attention)
-        ids = inputs.get(IDS)
-        if ids is None:
-            raise InvalidInput(IDS, "required (INT32 or INT64, [batch, T])")
-        batch, T = ids.shape
-        lengths = _lengths(inputs, batch, T)
-        plan = validate_rows([ids[i, : lengths[i]] for i in range(batch)], IDS, *_options(params, outputs),
-                             spec, self._config, request_id=request.id, padded_to=T, layers_field="attention_layers")
+        options = _options(params, outputs, text_model=spec.tokenizer is not None)
+        if texts is not None:
+            rows, field = await self._tokenized(texts, spec, params), TEXT
+            T = max(len(row) for row in rows)
+        else:
+            ids = inputs.get(IDS)
+            if ids is None:
+                raise InvalidInput(IDS, f"required (INT32 or INT64, [batch, T]), or {TEXT} (BYTES, [batch])")
+            batch, T = ids.shape
+            lengths = _lengths(inputs, batch, T)
+            rows, field = [ids[i, : lengths[i]] for i in range(batch)], IDS
+        plan = validate_rows(rows, field, *options, spec, self._config, request_id=request.id, padded_to=T,
+                             layers_field="attention_layers")
         done = await self._edge.compute(plan.jobs, seconds)
         for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
             arrays = [a for d in done if (a := _array_of(d.output, name)) is not None]
@@ -331,12 +355,16 @@ def _layers(params: dict[str, Any]) -> list[int]:
     raise InvalidInput("parameters.attention_layers", f"must be an int or comma-separated ints; got {_shown(value)}")
 
 
-def _options(params: dict[str, Any], outputs: dict[str, str]) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
-    """The v2 request's outputs and parameters as our contract's options (validated by validate_rows)."""
+def _options(params: dict[str, Any], outputs: dict[str, str], *, text_model: bool = False,
+             ) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
+    """The v2 request's outputs and parameters as our contract's options (validated by validate_rows).
+    A text model pools and normalises as the bundle says unless the parameters say otherwise."""
     pooled = POOLED in outputs or EMBEDDINGS in outputs
-    if "pooling" in params and not pooled:
-        raise InvalidInput("parameters.pooling", "given, but no pooled (or embeddings) output requested")
-    pooling = _POOLINGS[_str_param(params, "pooling", list(_POOLINGS), "mean")] if pooled else POOL_NONE
+    for name in ("pooling", "normalize"):
+        if name in params and not pooled:
+            raise InvalidInput(f"parameters.{name}", "given, but no pooled (or embeddings) output requested")
+    default = "model" if text_model else "mean"
+    pooling = _POOLINGS[_str_param(params, "pooling", list(_POOLINGS), default)] if pooled else POOL_NONE
     floats = [outputs_dtype for name, outputs_dtype in outputs.items() if name != ATTENTION]
     # Sized by the widest of the hidden and pooled outputs (each is converted on its own when sent).
     dtype = max(floats, key=_ITEMSIZE.__getitem__) if floats else "FP32"
@@ -347,6 +375,10 @@ def _options(params: dict[str, Any], outputs: dict[str, str]) -> tuple[pb.Output
     heads = _HEADS[_str_param(params, "attention_heads", list(_HEADS), "all")]
     output = pb.OutputOptions(return_hidden=HIDDEN in outputs, pooling=pooling,  # type: ignore[arg-type]
                               dtype=_FLOAT_TYPES[dtype])
+    if "normalize" in params:
+        if not isinstance(params["normalize"], bool):
+            raise InvalidInput("parameters.normalize", f"must be a bool; got {_shown(params['normalize'])}")
+        output.normalize = params["normalize"]
     return (output,
             pb.AttentionOptions(return_attention=wants_attention, layers=_layers(params), heads=heads,
                                 dtype=_FLOAT_TYPES[outputs.get(ATTENTION, "FP32")]))
@@ -387,29 +419,68 @@ def _float_param(parameters: Any, name: str, field: str, default: str = "FP32") 
     return value
 
 
-def _inputs(request: Any) -> dict[str, np.ndarray]:
-    """Input name -> array ([batch, T] ints), from raw_input_contents or the typed contents."""
+def _inputs(request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
+    """Input name -> array ([batch, T] ints), from raw_input_contents or the typed contents; and the
+    `text` rows, when given (then no other input may be)."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput("raw_input_contents", f"holds {len(raw)} tensors for {len(request.inputs)} inputs")
     arrays: dict[str, np.ndarray] = {}
+    texts: list[str] | None = None
     for i, tensor in enumerate(request.inputs):
         name = tensor.name
         if name not in (IDS, MASK, TYPES, TEXT):
             raise InvalidInput(f"inputs[{i}]", f"unknown input {_shown(name)}; this model takes {IDS}, {MASK}, {TYPES}")
-        if name in arrays:
+        if name in arrays or (name == TEXT and texts is not None):
             raise InvalidInput(name, "given twice")
         if any(key.startswith("shared_memory") for key in tensor.parameters):
             raise InvalidInput(name, "shared-memory inputs are not supported; send the data in the request")
         if name == TEXT:
-            # NOTE(kserve): text input arrives with tokenizer bundles (wave-text); until then no model has one.
-            raise FailedPrecondition("text: the served model has no tokenizer; send input_ids (and attention_mask)")
+            texts = _decode_text(tensor, raw[i] if raw else None)
+            continue
         arrays[name] = _decode(tensor, raw[i] if raw else None)
+    if texts is not None and arrays:
+        raise InvalidInput(TEXT, f"send {TEXT} or {IDS} (with {MASK}), not both")
     shape = arrays[IDS].shape if IDS in arrays else None
     for name in (MASK, TYPES):
         if name in arrays and arrays[name].shape != shape:
             raise InvalidInput(name, f"shape must equal {IDS}'s {list(shape or ())}; got {list(arrays[name].shape)}")
-    return arrays
+    return arrays, texts
+
+
+def _decode_text(tensor: Any, raw: bytes | None) -> list[str]:
+    """A BYTES tensor of [batch] (or [batch, 1]) UTF-8 strings: raw (each a 4-byte little-endian length,
+    then the bytes, as tritonclient serializes them) or typed (bytes_contents)."""
+    shape = [int(d) for d in tensor.shape]
+    if tensor.datatype != "BYTES":
+        raise InvalidInput(TEXT, f"datatype must be BYTES; got {_shown(tensor.datatype)}")
+    if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
+        raise InvalidInput(TEXT, f"shape must be [batch] or [batch, 1], batch at least 1; got {shape}")
+    count = shape[0]
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InvalidInput(TEXT, "data given both in raw_input_contents and in contents")
+        items: list[bytes] = []
+        at = 0
+        while at < len(raw) and len(items) <= count:
+            if at + 4 > len(raw):
+                raise InvalidInput(TEXT, "raw contents end inside a length prefix")
+            size = int.from_bytes(raw[at: at + 4], "little")
+            if at + 4 + size > len(raw):
+                raise InvalidInput(TEXT, f"raw contents end inside element {len(items)}")
+            items.append(raw[at + 4: at + 4 + size])
+            at += 4 + size
+    else:
+        items = list(tensor.contents.bytes_contents)
+    if len(items) != count:
+        raise InvalidInput(TEXT, f"holds {len(items)} strings; shape {shape} needs {count}")
+    texts = []
+    for i, item in enumerate(items):
+        try:
+            texts.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{TEXT}[{i}]", "is not valid UTF-8") from None
+    return texts
 
 
 def _decode(tensor: Any, raw: bytes | None) -> np.ndarray:

@@ -92,6 +92,7 @@ class Runner:
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
             max_length=cfg.max_length, positional=cfg.positional,
             precision=self.precision, device=str(self.device), tokenizer=bundle.tokenizer,
+            attention_scale=cfg.scale, standard_scale=cfg.attention_scale is None, relative_bias=cfg.relative_bias,
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)

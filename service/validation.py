@@ -116,31 +116,42 @@ def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig)
         if request.output.prompt_name:
             raise InvalidInput("output.prompt_name", "applies to text; the call sends none")
         return ()
-    tokenizer = spec.tokenizer
-    if tokenizer is None:
-        raise InvalidInput(f"sequences[{kinds.index('text')}].text",
-                           f"model {spec.name} takes no text (it has no tokenizer); send token_ids")
-    chars = text_chars(request)
-    if chars > config.max_text_chars:
-        raise InvalidInput("sequences", f"{chars} characters of text in all; at most {config.max_text_chars} per call")
-    try:
-        prompt = tokenizer.prompt(request.output.prompt_name)
-    except KeyError:
-        raise InvalidInput("output.prompt_name", f"unknown prompt {request.output.prompt_name!r}; the model has "
-                           f"{sorted(tokenizer.settings.prompts)}") from None
     where = [i for i, kind in enumerate(kinds) if kind == "text"]
-    encoded = tokenizer.encode([request.sequences[i].text for i in where], truncate=request.truncate, prompt=prompt)
-    limit = tokenizer.settings.max_tokens
+    encoded = tokenize([request.sequences[i].text for i in where], spec, config, fields=[
+        f"sequences[{i}].text" for i in where], truncate=request.truncate, prompt_name=request.output.prompt_name)
     out: list[Encoded | None] = [None] * len(kinds)
     for i, enc in zip(where, encoded, strict=True):
-        if len(enc.ids) > limit:
-            raise InvalidInput(f"sequences[{i}].text", f"{enc.full_length} tokens (special tokens included), over "
-                               f"the model's limit of {limit}; shorten it, or set truncate to cut it")
-        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
-            raise InvalidInput(f"sequences[{i}].text", f"the tokenizer gave id {int(enc.ids.max())}, outside the "
-                               f"model's vocabulary of {spec.vocab_size}")
         out[i] = enc
     return tuple(out)
+
+
+def tokenize(texts: Sequence[str], spec: ModelSpec, config: ServiceConfig, *, fields: Sequence[str], truncate: bool,
+             prompt_name: str = "", all_field: str = "sequences",
+             prompt_field: str = "output.prompt_name") -> list[Encoded]:
+    """`texts` -> token ids with the model's tokenizer, every limit checked: the characters of the call
+    before tokenizing, each text's tokens (over the limit: refused, or cut with `truncate`) and the ids
+    against the vocabulary after. `fields` name each text in errors; the front doors share this."""
+    tokenizer = spec.tokenizer
+    if tokenizer is None:
+        raise InvalidInput(fields[0], f"model {spec.name} takes no text (it has no tokenizer); send token ids")
+    chars = sum(len(text) for text in texts)
+    if chars > config.max_text_chars:
+        raise InvalidInput(all_field, f"{chars} characters of text in all; at most {config.max_text_chars} per call")
+    try:
+        prompt = tokenizer.prompt(prompt_name)
+    except KeyError:
+        raise InvalidInput(prompt_field, f"unknown prompt {prompt_name!r}; the model has "
+                           f"{sorted(tokenizer.settings.prompts)}") from None
+    encoded = tokenizer.encode(texts, truncate=truncate, prompt=prompt)
+    limit = tokenizer.settings.max_tokens
+    for field, enc in zip(fields, encoded, strict=True):
+        if len(enc.ids) > limit:
+            raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's "
+                               f"limit of {limit}; shorten it, or set truncate to cut it")
+        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
+            raise InvalidInput(field, f"the tokenizer gave id {int(enc.ids.max())}, outside the model's "
+                               f"vocabulary of {spec.vocab_size}")
+    return encoded
 
 
 def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions, att: pb.AttentionOptions,

@@ -55,3 +55,8 @@ async def test_served_article_encoder_equals_the_eager_model(name: str, tmp_path
                                                     causal=causal), timeout=30)
         for b, n in enumerate(LENGTHS):
             np.testing.assert_allclose(from_tensor(fast.outputs[b].hidden), want[b, :n], atol=1e-5, rtol=0)
+    # What the model is, said by the service: its scale (and whether it is the standard one) and bias.
+    info = await served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.attention_scale == pytest.approx(config.scale, rel=1e-12)
+    assert info.standard_scale == (config.attention_scale is None)
+    assert info.relative_bias == config.relative_bias

@@ -214,7 +214,7 @@ class TextInfo(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., default_prompt_name: _Optional[str] = ..., tokenizer_checksum: _Optional[str] = ..., max_text_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text")
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,9 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_SCALE_FIELD_NUMBER: _ClassVar[int]
+    STANDARD_SCALE_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_BIAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     checksum: str
@@ -241,4 +244,7 @@ class ModelInfo(_message.Message):
     device: str
     limits: Limits
     text: TextInfo
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ...) -> None: ...
+    attention_scale: float
+    standard_scale: bool
+    relative_bias: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ...) -> None: ...
