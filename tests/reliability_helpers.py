@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import status_pb2
+from hypothesis import strategies as st
 
 from model import faults
 from service.batching import Item
@@ -115,3 +116,21 @@ async def no_messages() -> Any:
     (grpc/grpc#36066, the client library's bug, not what the server sent)."""
     return
     yield
+
+
+@st.composite
+def byte_mutations(draw: st.DrawFn, seed: bytes, random_max: int = 2048) -> bytes:
+    """A valid encoding `seed` truncated, bit-flipped or spliced, or random bytes (RELIABILITY.md F-02)."""
+    data = bytearray(seed)
+    how = draw(st.sampled_from(["truncate", "flip", "splice", "random"]))
+    if how == "truncate":
+        return bytes(data[: draw(st.integers(0, len(data) - 1))])
+    if how == "flip":
+        for _ in range(draw(st.integers(1, 8))):
+            i = draw(st.integers(0, len(data) - 1))
+            data[i] ^= 1 << draw(st.integers(0, 7))
+        return bytes(data)
+    if how == "splice":
+        i = draw(st.integers(0, len(data)))
+        return bytes(data[:i] + draw(st.binary(min_size=1, max_size=64)) + data[i:])
+    return draw(st.binary(max_size=random_max))

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2 as v2
 
 from bench.server_process import ServerProcess
 from service.kserve import SERVICE_NAME
-from tests.reliability_helpers import assert_clean_status
+from tests.reliability_helpers import assert_clean_status, byte_mutations
 
 Code = grpc.StatusCode
 ALLOWED = {Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED, Code.NOT_FOUND}
@@ -127,25 +127,10 @@ SEED = v2.ModelInferRequest(model_name="tiny", id="seed", inputs=[Tensor(name="i
                             raw_input_contents=[np.arange(1, 7, dtype=np.int64).tobytes()]).SerializeToString()
 
 
-@st.composite
-def mutations(draw: st.DrawFn) -> bytes:
-    data = bytearray(SEED)
-    how = draw(st.sampled_from(["truncate", "flip", "splice", "random"]))
-    if how == "truncate":
-        return bytes(data[: draw(st.integers(0, len(data) - 1))])
-    if how == "flip":
-        for _ in range(draw(st.integers(1, 8))):
-            i = draw(st.integers(0, len(data) - 1))
-            data[i] ^= 1 << draw(st.integers(0, 7))
-        return bytes(data)
-    if how == "splice":
-        i = draw(st.integers(0, len(data)))
-        return bytes(data[:i] + draw(st.binary(min_size=1, max_size=64)) + data[i:])
-    return draw(st.binary(max_size=1024))
 
 
 @settings(max_examples=300, **FUZZ)
-@given(raw=mutations())
+@given(raw=byte_mutations(SEED, random_max=1024))
 def test_fuzzed_v2_bytes_get_only_documented_codes(channel: grpc.Channel, raw: bytes):
     check(channel, raw)
 

@@ -24,7 +24,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.wire import SERVICE_NAME, from_tensor, to_tensor
 from tests.helpers import ids_request
-from tests.reliability_helpers import assert_clean_status
+from tests.reliability_helpers import assert_clean_status, byte_mutations
 
 Code = grpc.StatusCode
 ALLOWED = {Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
@@ -141,25 +141,10 @@ SEED = ids_request(np.arange(1, 40), np.arange(5, 9), request_id="seed-request-0
                    attention=pb.AttentionOptions(return_attention=True, layers=[-1])).SerializeToString()
 
 
-@st.composite
-def mutations(draw: st.DrawFn) -> bytes:
-    data = bytearray(SEED)
-    how = draw(st.sampled_from(["truncate", "flip", "splice", "random"]))
-    if how == "truncate":
-        return bytes(data[: draw(st.integers(0, len(data) - 1))])
-    if how == "flip":
-        for _ in range(draw(st.integers(1, 8))):
-            i = draw(st.integers(0, len(data) - 1))
-            data[i] ^= 1 << draw(st.integers(0, 7))
-        return bytes(data)
-    if how == "splice":
-        i = draw(st.integers(0, len(data)))
-        return bytes(data[:i] + draw(st.binary(min_size=1, max_size=64)) + data[i:])
-    return draw(st.binary(max_size=2048))
 
 
 @settings(max_examples=400, **FUZZ)
-@given(raw=mutations())
+@given(raw=byte_mutations(SEED, random_max=2048))
 def test_fuzzed_bytes_get_only_documented_codes(channel: grpc.Channel, raw: bytes):
     check(channel, raw)
 
