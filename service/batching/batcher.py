@@ -300,12 +300,14 @@ class Batcher(Generic[P]):
                  run: Callable[[], tuple[Sequence[Any], float]]) -> None:
         """Run the batch's computation, retire it, and resolve its futures, whatever happens. Retired
         first: a caller's next request, which can follow its answer at once, must find the batch gone
-        (or a follower would take a lone batch narrow, see `_next_batch`)."""
+        (or a follower would take a lone batch narrow, see `_next_batch`). A batch with side work is
+        retired after it instead (`_run_side_work`): its thread is still busy."""
         outcomes: list[tuple[asyncio.Future[Done], Any]] = []
         side: Callable[[], None] | None = None
         try:
             outcomes = self._outcomes(batch, started, run)
-            side = self._side_work(batch)
+            if self._after_batch is not None:  # off (attention health unsampled): this test is all it costs
+                side = self._side_work(batch, self._after_batch)
         finally:
             if side is None:
                 self._retire(batch)
@@ -322,11 +324,10 @@ class Batcher(Generic[P]):
                 self._wide = None
                 self._wake()  # the followers may start on what queued meanwhile
 
-    def _side_work(self, batch: list[Item[P]]) -> Callable[[], None] | None:
-        if self._after_batch is None:
-            return None
+    def _side_work(self, batch: list[Item[P]], after_batch: Callable[[list[P]], Callable[[], None] | None]
+                   ) -> Callable[[], None] | None:
         try:
-            return self._after_batch(_payloads(batch))
+            return after_batch(_payloads(batch))
         except Exception:  # noqa: BLE001 - side work must not end the loop
             log.exception("after_batch failed on a batch of %d", len(batch))
             return None
