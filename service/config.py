@@ -97,6 +97,10 @@ class ServiceConfig:
     keepalive_time_s: float = _opt(60.0, "ping a connection that has been quiet this long, to find dead peers")
     keepalive_timeout_s: float = _opt(20.0, "close a connection whose ping is not answered within this")
     # Lifecycle
+    edge_processes: int = _opt(
+        0, "gRPC edge processes (front doors, parsing, tokenizing) in front of one model process that owns the "
+           "device and the one batcher, sharing the gRPC port (README \"More cores for the edge\"; 0 = one process "
+           "does both)")
     drain_delay_s: float = _opt(0.0, "on SIGTERM, keep serving this long after NOT_SERVING (load balancers)")
     drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")
     reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
@@ -133,6 +137,7 @@ class ServiceConfig:
         ):
             _check(name, getattr(self, name), 1, None)
         _check("torch_threads", self.torch_threads, 0, None)
+        _check("edge_processes", self.edge_processes, 0, 64)
         _check("model_workers", self.model_workers, 0, None)
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)
