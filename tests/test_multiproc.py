@@ -1,0 +1,227 @@
+"""Edge processes (`--edge-processes N`, service/multiproc/): real processes, over real sockets.
+
+The calls give what one process gives, bit for bit; calls from many connections reach both edges and
+are batched together in the one model process; cancellation, deadlines, overload and model failures
+travel between the processes with the codes of one process; metrics and the exit ledger add up over
+all of them; a crashed edge is restarted; a crashed model process takes its edges down, failing their
+calls UNAVAILABLE; the port cannot be shared by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2
+
+from bench.server_process import ServerProcess
+from model import faults
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1 import attention_pb2_grpc
+from proto.attention.v1.wire import SERVICE_NAME
+from service.config import ServiceConfig
+from tests.helpers import details_of, ids_request, wait_for
+from tests.reliability_helpers import assert_clean_status
+
+Code = grpc.StatusCode
+EDGE = ("--edge-processes", "2")
+# One TCP connection per channel: grpc shares a subchannel between channels to one target otherwise.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def edge_ledgers(server: ServerProcess) -> list[dict[str, object]]:
+    """Each edge's own call ledger, as the model process logged it when the edge stopped."""
+    marker = "stopped; its calls "
+    return [json.loads(line.split(marker, 1)[1]) for line in server.output().splitlines() if marker in line]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def edged(fault_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = ServerProcess(fault_bundle, *EDGE, "--max-queue-requests", "2", "--max-batch-size", "4",
+                           directory=tmp_path_factory.mktemp("edged"))
+    yield server
+    server.stop()
+
+
+async def hold(stub: attention_pb2_grpc.AttentionServiceStub, server: ServerProcess,
+               sleeps: int) -> grpc.aio.UnaryUnaryCall:
+    """A call that keeps the model busy `sleeps` x 200 ms; returns once its forward runs."""
+    before = server.sample("attention_batch_size_count")
+    call = stub.Encode(ids_request([faults.SLEEP] * sleeps), timeout=30)
+    await wait_for(lambda: server.sample("attention_batch_size_count") > before, 20, "the holding forward")
+    return call
+
+
+def test_edge_processes_is_validated():
+    assert ServiceConfig(edge_processes=2).edge_processes == 2
+    for bad in (-1, 65):
+        with pytest.raises(ValueError, match="edge_processes"):
+            ServiceConfig(edge_processes=bad)
+    assert ServiceConfig.from_args([], env={"ATTN_EDGE_PROCESSES": "3"}).edge_processes == 3
+
+
+async def test_outputs_are_bitwise_those_of_one_process(fault_bundle: Path, edged: ServerProcess, tmp_path: Path):
+    single = ServerProcess(fault_bundle, directory=tmp_path)
+    rng = np.random.default_rng(0)
+    requests = [
+        ids_request(rng.integers(1, 90, 7)),
+        ids_request(rng.integers(1, 90, 12), rng.integers(1, 90, 3),
+                    attention=pb.AttentionOptions(return_attention=True, layers=[0, -1], heads=pb.HEADS_MEAN),
+                    output=pb.OutputOptions(pooling=pb.POOLING_MEAN, normalize=True)),
+        pb.EncodeRequest(sequences=[pb.Sequence(embeddings=pb.Tensor(
+            dtype=pb.DTYPE_FLOAT32, shape=[5, 32], data=rng.standard_normal((5, 32), np.float32).tobytes()))],
+            causal=True, output=pb.OutputOptions(dtype=pb.DTYPE_FLOAT16, return_hidden=False,
+                                                 pooling=pb.POOLING_CLS)),
+    ]
+    try:
+        answers = []
+        for server in (single, edged):
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                stub = attention_pb2_grpc.AttentionServiceStub(channel)
+                answers.append(([(await stub.Encode(r, timeout=30)).outputs for r in requests],
+                                await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)))
+    finally:
+        single.stop()
+    (one, info_one), (edges, info_edges) = answers
+    for a, b in zip(one, edges, strict=True):
+        assert [o.SerializeToString() for o in a] == [o.SerializeToString() for o in b]
+    assert info_one == info_edges
+
+
+async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: ServerProcess):
+    async with grpc.aio.insecure_channel(edged.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.Encode(ids_request([faults.RAISE, 1]), timeout=30)
+        assert failed.value.code() == Code.INTERNAL and "ref=" in failed.value.details()
+        assert faults.RAISE_MESSAGE not in failed.value.details()  # internals stay in the log
+        with pytest.raises(grpc.aio.AioRpcError) as invalid:
+            await stub.Encode(ids_request([1, 1000]), timeout=30)
+        assert invalid.value.code() == Code.INVALID_ARGUMENT
+
+        held = await hold(stub, edged, 5)
+        queued = [stub.Encode(ids_request([1, 2 + i]), timeout=30) for i in range(2)]
+        await wait_for(lambda: edged.sample("attention_queue_depth") == 2, 20, "two queued calls")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_requests 2
+            await stub.Encode(ids_request([3, 4]), timeout=30)
+        assert refused.value.code() == Code.RESOURCE_EXHAUSTED
+        assert_clean_status(refused.value)
+        retry = error_details_pb2.RetryInfo()
+        assert any(d.Unpack(retry) for d in details_of(refused.value)) and retry.retry_delay.ToNanoseconds() > 0
+        for call in (held, *queued):
+            assert (await call).outputs
+
+
+async def test_a_cancelled_call_is_dropped_in_the_model_process(edged: ServerProcess):
+    async with grpc.aio.insecure_channel(edged.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        before = edged.sample("attention_dropped_total", {"reason": "cancelled"})
+        held = await hold(stub, edged, 5)
+        gone = stub.Encode(ids_request([5, 6]), timeout=30)
+        await wait_for(lambda: edged.sample("attention_queue_depth") == 1, 20, "the queued call")
+        gone.cancel()
+        await wait_for(lambda: edged.sample("attention_dropped_total", {"reason": "cancelled"}) == before + 1, 20,
+                       "the cancelled job dropped")
+        assert edged.sample("attention_queue_depth") == 0
+        assert (await held).outputs
+
+
+async def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(edged: ServerProcess):
+    async with grpc.aio.insecure_channel(edged.target) as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+        before = edged.sample("attention_dropped_total", {"reason": "deadline"})
+        held = await hold(stub, edged, 5)
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await stub.Encode(ids_request([7, 8]), timeout=0.3)
+        assert late.value.code() == Code.DEADLINE_EXCEEDED
+        await wait_for(lambda: edged.sample("attention_dropped_total", {"reason": "deadline"}) == before + 1, 20,
+                       "the expired job dropped")
+        assert (await held).outputs
+
+
+async def test_a_crashed_edge_is_restarted(edged: ServerProcess):
+    victim = edged.ports["edge_pids"][0]  # type: ignore[index]
+    os.kill(victim, signal.SIGKILL)
+    await wait_for(lambda: "restarting it" in edged.output() and edged.output().count("edge 0 started") == 2, 20,
+                   "the edge restarted")
+    await wait_for(lambda: edged.sample("attention_ready") == 1, 20, "every edge ready again")
+    for _ in range(6):  # fresh connections: whichever edge each lands on answers
+        async with grpc.aio.insecure_channel(edged.target, options=OWN_CONNECTION) as channel:
+            assert (await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]),
+                                                                                  timeout=30)).outputs
+
+
+async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_up(fault_bundle: Path,
+                                                                                  tmp_path: Path):
+    server = ServerProcess(fault_bundle, *EDGE, "--max-batch-size", "16", directory=tmp_path)
+    channels = [grpc.aio.insecure_channel(server.target, options=OWN_CONNECTION) for _ in range(12)]
+    try:
+        stubs = [attention_pb2_grpc.AttentionServiceStub(c) for c in channels]
+        held = await hold(stubs[0], server, 10)
+        calls = [stub.Encode(ids_request([1, 2, 3]), timeout=30) for stub in stubs]
+        await wait_for(lambda: server.sample("attention_queue_depth") == 12, 20, "12 queued calls")
+        answers = [await call for call in calls]
+        await held
+        metrics = {name: server.sample(name, labels) for name, labels in (
+            ("attention_requests_total", {"method": "Encode", "code": "OK"}),
+            ("grpc_server_handled_total", {"grpc_service": SERVICE_NAME, "grpc_code": "OK"}),
+            ("grpc_server_started_total", {"grpc_service": SERVICE_NAME}),
+            ("attention_sequences_total", {}), ("attention_batch_size_sum", {}))}
+    finally:
+        for channel in channels:
+            await channel.close()
+        code = server.terminate()
+    assert code == 0, server.output()[-3000:]
+    # One batch for the 12, whichever edge each came through.
+    assert [a.metadata.batch_size for a in answers] == [12] * 12
+    edges = edge_ledgers(server)
+    assert len(edges) == 2 and all(e["started"] > 0 for e in edges), edges  # type: ignore[operator]
+    assert sum(e["started"] for e in edges) == 13  # type: ignore[misc]
+    assert metrics == dict.fromkeys(metrics, 13.0), metrics
+    book = server.exit_ledger()
+    assert book["started"] == 13 and book["handled"] == {"OK": 13}, book
+    assert book["batched_sequences"] == 13 and book["queue_depth"] == 0, book
+    assert "Traceback" not in server.output()
+
+
+async def test_a_crashed_model_process_fails_calls_unavailable_and_the_edges_exit(fault_bundle: Path,
+                                                                                  tmp_path: Path):
+    server = ServerProcess(fault_bundle, *EDGE, directory=tmp_path)
+    edges: list[int] = server.ports["edge_pids"]  # type: ignore[assignment]
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            held = await hold(stub, server, 25)
+            server.proc.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await held
+            assert lost.value.code() == Code.UNAVAILABLE
+            assert_clean_status(lost.value)
+        await wait_for(lambda: not any(alive(pid) for pid in edges), 20, "the edges to exit")
+    finally:
+        server.kill()
+        for pid in edges:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, edged: ServerProcess, tmp_path: Path):
+    port = str(edged.ports["port"])
+    for flags in ((), EDGE):
+        with pytest.raises(RuntimeError, match="exit 1") as refused:
+            ServerProcess(fault_bundle, "--port", port, *flags, directory=tmp_path / str(len(flags)))
+        assert "Failed to bind" in str(refused.value)
