@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2
+from prometheus_client import CollectorRegistry
 
 from bench.server_process import ServerProcess
 from model import faults
@@ -26,7 +28,9 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.wire import SERVICE_NAME
 from service.config import ServiceConfig
-from tests.helpers import details_of, ids_request, wait_for
+from service.multiproc.host import reserve_port
+from service.server import build_server
+from tests.helpers import details_of, ids_request, test_config, wait_for
 from tests.reliability_helpers import assert_clean_status
 
 Code = grpc.StatusCode
@@ -51,7 +55,7 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def edged(fault_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = ServerProcess(fault_bundle, *EDGE, "--max-queue-requests", "2", "--max-batch-size", "4",
+    server = ServerProcess(fault_bundle, *EDGE, "--max-queue-tokens", "40", "--max-batch-size", "16",
                            directory=tmp_path_factory.mktemp("edged"))
     yield server
     server.stop()
@@ -114,10 +118,10 @@ async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: 
         assert invalid.value.code() == Code.INVALID_ARGUMENT
 
         held = await hold(stub, edged, 5)
-        queued = [stub.Encode(ids_request([1, 2 + i]), timeout=30) for i in range(2)]
+        queued = [stub.Encode(ids_request(np.arange(1, 17)), timeout=30) for _ in range(2)]
         await wait_for(lambda: edged.sample("attention_queue_depth") == 2, 20, "two queued calls")
-        with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_requests 2
-            await stub.Encode(ids_request([3, 4]), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_tokens 40: 32 queued, 16 more
+            await stub.Encode(ids_request(np.arange(1, 17)), timeout=30)
         assert refused.value.code() == Code.RESOURCE_EXHAUSTED
         assert_clean_status(refused.value)
         retry = error_details_pb2.RetryInfo()
@@ -198,30 +202,34 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
     assert "Traceback" not in server.output()
 
 
-async def test_a_crashed_model_process_fails_calls_unavailable_and_the_edges_exit(fault_bundle: Path,
-                                                                                  tmp_path: Path):
-    server = ServerProcess(fault_bundle, *EDGE, directory=tmp_path)
-    edges: list[int] = server.ports["edge_pids"]  # type: ignore[assignment]
+async def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, edged: ServerProcess):
+    port = edged.ports["port"]
+    with pytest.raises(RuntimeError, match="Failed to bind"):  # a service in one process
+        build_server(test_config(fault_bundle, port=port), CollectorRegistry())
+    with pytest.raises(OSError, match="held by another service's edge processes"):  # one with edge processes
+        reserve_port("127.0.0.1", port)
+    with socket.socket() as plain:  # and this mode cannot take the port of a service in one process
+        plain.bind(("127.0.0.1", 0))
+        plain.listen()
+        with pytest.raises(OSError, match="Failed to bind"):
+            reserve_port("127.0.0.1", plain.getsockname()[1])
+
+
+async def test_a_crashed_model_process_fails_calls_unavailable_and_the_edges_exit(edged: ServerProcess):
+    """Last of the module: it ends the module's service."""
+    edges = [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in edged.output().splitlines()
+             if "started (pid" in line][-2:]  # the restarted edge's pid too
     try:
-        async with grpc.aio.insecure_channel(server.target) as channel:
+        async with grpc.aio.insecure_channel(edged.target) as channel:
             stub = attention_pb2_grpc.AttentionServiceStub(channel)
-            held = await hold(stub, server, 25)
-            server.proc.kill()
+            held = await hold(stub, edged, 25)
+            edged.proc.kill()
             with pytest.raises(grpc.aio.AioRpcError) as lost:
                 await held
             assert lost.value.code() == Code.UNAVAILABLE
             assert_clean_status(lost.value)
         await wait_for(lambda: not any(alive(pid) for pid in edges), 20, "the edges to exit")
     finally:
-        server.kill()
         for pid in edges:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, edged: ServerProcess, tmp_path: Path):
-    port = str(edged.ports["port"])
-    for flags in ((), EDGE):
-        with pytest.raises(RuntimeError, match="exit 1") as refused:
-            ServerProcess(fault_bundle, "--port", port, *flags, directory=tmp_path / str(len(flags)))
-        assert "Failed to bind" in str(refused.value)
