@@ -38,6 +38,9 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # Where the service's own numbers are read back (KServe statistics and readiness): this registry,
+        # or, in an edge process, every process's summed (service/multiproc/edge_worker.py sets it).
+        self.view = registry
         r = registry
         self.request_duration = Histogram(
             "attention_request_duration_seconds", "Call latency, end to end in the server (a stream: per request)",

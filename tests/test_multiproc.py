@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2 as v2
+from tritonclient.grpc import service_pb2_grpc
 
 from bench.server_process import ServerProcess
 from model import faults
@@ -185,6 +187,9 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
             ("grpc_server_handled_total", {"grpc_service": SERVICE_NAME, "grpc_code": "OK"}),
             ("grpc_server_started_total", {"grpc_service": SERVICE_NAME}),
             ("attention_sequences_total", {}), ("attention_batch_size_sum", {}))}
+        # KServe statistics read every process's numbers, whichever edge answers.
+        stats = [(await service_pb2_grpc.GRPCInferenceServiceStub(c).ModelStatistics(
+            v2.ModelStatisticsRequest(name="fault-model"), timeout=10)).model_stats[0] for c in channels]
     finally:
         for channel in channels:
             await channel.close()
@@ -194,10 +199,11 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
     assert [a.metadata.batch_size for a in answers] == [12] * 12
     edges = edge_ledgers(server)
     assert len(edges) == 2 and all(e["started"] > 0 for e in edges), edges  # type: ignore[operator]
-    assert sum(e["started"] for e in edges) == 13  # type: ignore[misc]
+    assert sum(e["started"] for e in edges) == 25  # type: ignore[misc]  # 13 Encode, 12 ModelStatistics
     assert metrics == dict.fromkeys(metrics, 13.0), metrics
+    assert {(s.inference_count, s.execution_count, s.inference_stats.success.count) for s in stats} == {(13, 2, 13)}
     book = server.exit_ledger()
-    assert book["started"] == 13 and book["handled"] == {"OK": 13}, book
+    assert book["started"] == 25 and book["handled"] == {"OK": 25}, book
     assert book["batched_sequences"] == 13 and book["queue_depth"] == 0, book
     assert "Traceback" not in server.output()
 

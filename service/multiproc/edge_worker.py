@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, multiprocess
 
 from proto.attention.v1.wire import SERVICE_NAME
 from service.config import ServiceConfig
@@ -41,6 +41,8 @@ async def run(directory: Path) -> int:
     config = ServiceConfig(**json.loads((directory / CONFIG).read_text()))
     registry = CollectorRegistry()
     metrics = Metrics(registry)  # prometheus_client's multiprocess mode: the model process sums every process
+    metrics.view = CollectorRegistry()  # read back (KServe statistics, readiness): every process's, summed
+    multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
     serving = Serving()
     health_servicer = health.aio.HealthServicer()
     reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
