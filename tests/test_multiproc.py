@@ -9,6 +9,7 @@ calls UNAVAILABLE; the port cannot be shared by accident.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.wire import SERVICE_NAME
 from service.config import ServiceConfig
+from service.multiproc import wire
 from service.multiproc.host import reserve_port
 from service.server import build_server
 from tests.helpers import details_of, ids_request, test_config, wait_for
@@ -239,3 +241,63 @@ async def test_a_crashed_model_process_fails_calls_unavailable_and_the_edges_exi
         for pid in edges:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# -- the frames, in one process ---------------------------------------------------------------------
+
+def test_every_service_error_crosses_as_itself():
+    from service import errors
+
+    made = [errors.InvalidInput("sequences[0]", "too long"), errors.NonFiniteInput("embeddings", "NaN"),
+            errors.Overloaded("queue full", retry_after_s=0.25), errors.ModelFailure("inference failed"),
+            errors.NonFiniteOutput(), errors.DeadlineExceeded("deadline exceeded while queued"),
+            errors.DeadlineUnmeetable("too short"), errors.ShuttingDown("server shutting down"),
+            errors.OutOfMemory("one sequence does not fit"), errors.NotReady("loading")]
+    for error in made:
+        kind, call, body = _parse(wire.error(7, 3, error))
+        index, back = wire.read_error(body)
+        assert (kind, call, index) == (wire.ERROR, 7, 3)
+        assert type(back) is type(error) and back.message == error.message == str(back)
+        assert errors.status_of(back) == errors.status_of(error) and errors.reason_of(back) == errors.reason_of(error)
+        for name in ("field", "description", "retry_after_s", "ref"):
+            assert getattr(back, name, None) == getattr(error, name, None), name
+
+
+def test_jobs_and_results_cross_bit_for_bit():
+    from service.batching import Done
+    from service.jobs import POOL_CLS, Job, Output
+
+    rng = np.random.default_rng(1)
+    jobs = [Job(rng.integers(0, 100, 9), None, causal=True, attn_layers=(0, 3), heads_mean=True, pooling=POOL_CLS,
+                return_hidden=False, normalize=True),
+            Job(None, rng.standard_normal((4, 32)).astype(np.float32))]
+    kind, call, body = _parse(wire.submit(11, 123.5, jobs))
+    deadline, back = wire.read_submit(body)
+    assert (kind, call, deadline) == (wire.SUBMIT, 11, 123.5)
+    for a, b in zip(jobs, back, strict=True):
+        assert (a.causal, a.attn_layers, a.heads_mean, a.pooling, a.return_hidden, a.normalize) == (
+            b.causal, b.attn_layers, b.heads_mean, b.pooling, b.return_hidden, b.normalize)
+        for x, y in ((a.token_ids, b.token_ids), (a.embeddings, b.embeddings)):
+            assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y) and y.flags.writeable)
+    out = Output(rng.standard_normal((9, 32)).astype(np.float32), None,
+                 rng.standard_normal((2, 1, 9, 9)).astype(np.float32), True)
+    kind, call, body = _parse(wire.result(11, 1, Done(out, 0.01, 0.02, 5, 9)))
+    index, done = wire.read_result(body)
+    assert (kind, call, index, done.queue_s, done.compute_s, done.batch_size, done.padded_length) == (
+        wire.RESULT, 11, 1, 0.01, 0.02, 5, 9)
+    assert done.output.pooled is None and done.output.fp32_rerun
+    assert done.output.hidden.tobytes() == out.hidden.tobytes() and done.output.attention.shape == (2, 1, 9, 9)
+
+
+async def test_a_frame_over_its_bound_or_of_no_kind_is_refused():
+    for data in (wire.HEADER.pack(1001, wire.SUBMIT, 1) + bytes(1001), wire.HEADER.pack(0, 99, 1)):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        with pytest.raises(wire.FrameError):
+            await wire.read_frame(reader, 1000)
+
+
+def _parse(data: bytes) -> tuple[int, int, memoryview]:
+    length, kind, call = wire.HEADER.unpack_from(data)
+    assert length == len(data) - wire.HEADER.size
+    return kind, call, memoryview(data)[wire.HEADER.size:]
