@@ -110,6 +110,29 @@ async def test_outputs_are_bitwise_those_of_one_process(fault_bundle: Path, edge
     assert info_one == info_edges
 
 
+async def test_text_is_tokenized_in_the_edges_with_the_model_process_tokenizer(tiny_text_bundle: Path,
+                                                                                tmp_path: Path):
+    from model.bundle import read_manifest
+
+    server = ServerProcess(tiny_text_bundle, *EDGE, directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            r = await stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text="cat"), pb.Sequence(text="")],
+                                                   output=pb.OutputOptions(pooling=pb.POOLING_CLS, prompt_name="query",
+                                                                           return_tokens=True)), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as too_long:
+                await stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text="a b c a b c a b c")]), timeout=10)
+    finally:
+        server.stop()
+    manifest = read_manifest(tiny_text_bundle)
+    assert manifest.text is not None and info.text.accepted
+    assert info.text.tokenizer_checksum == manifest.text.tokenizer_sha256 and info.text.max_tokens == 8
+    assert [list(o.tokens) for o in r.outputs] == [["[CLS]", "a", "cat", "[SEP]"], ["[CLS]", "a", "[SEP]"]]
+    assert too_long.value.code() == Code.INVALID_ARGUMENT
+
+
 async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: ServerProcess):
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
