@@ -70,6 +70,8 @@ async def run(directory: Path) -> int:
     metrics.ready.set(1)
     client.start()
     client.send(wire.message(wire.READY, {"pid": os.getpid(), "port": front.port}))
+    log.info("serving on %s:%d (%s, %s), pid %d", config.host, front.port, "TLS" if front.tls else "plaintext",
+             f"{front.tokens} bearer tokens" if front.tokens else "no token auth", os.getpid())
 
     async def stop(grace: float) -> None:
         await health_servicer.enter_graceful_shutdown()

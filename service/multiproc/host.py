@@ -372,8 +372,7 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
             stopping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await stopping
-            host._tell_edges(0)
-            await host.stop(0)
+            await host.stop(0)  # DRAIN 0: the edges stop at once too
         second.cancel()
         log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
         for _ in range(20):
