@@ -82,7 +82,7 @@ class ServiceConfig:
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
     default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
-    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/server.py)
+    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/front.py)
     max_concurrent_streams: int = _opt(
         256, "calls one connection may have open at once; a client past it waits for a free stream, a stream "
              "over it is refused (REFUSED_STREAM) without touching other connections")
