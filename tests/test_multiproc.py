@@ -144,7 +144,7 @@ async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: 
             await stub.Encode(ids_request([1, 1000]), timeout=30)
         assert invalid.value.code() == Code.INVALID_ARGUMENT
 
-        held = await hold(stub, edged, 5)
+        held = await hold(stub, edged, 10)
         queued = [stub.Encode(ids_request(np.arange(1, 17)), timeout=30) for _ in range(2)]
         await wait_for(lambda: edged.sample("attention_queue_depth") == 2, 20, "two queued calls")
         with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_tokens 40: 32 queued, 16 more
@@ -161,7 +161,7 @@ async def test_a_cancelled_call_is_dropped_in_the_model_process(edged: ServerPro
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
         before = edged.sample("attention_dropped_total", {"reason": "cancelled"})
-        held = await hold(stub, edged, 5)
+        held = await hold(stub, edged, 10)
         gone = stub.Encode(ids_request([5, 6]), timeout=30)
         await wait_for(lambda: edged.sample("attention_queue_depth") == 1, 20, "the queued call")
         gone.cancel()
@@ -175,7 +175,7 @@ async def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(edged: S
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
         before = edged.sample("attention_dropped_total", {"reason": "deadline"})
-        held = await hold(stub, edged, 5)
+        held = await hold(stub, edged, 10)
         with pytest.raises(grpc.aio.AioRpcError) as late:
             await stub.Encode(ids_request([7, 8]), timeout=0.3)
         assert late.value.code() == Code.DEADLINE_EXCEEDED
@@ -202,7 +202,7 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
     channels = [grpc.aio.insecure_channel(server.target, options=OWN_CONNECTION) for _ in range(12)]
     try:
         stubs = [attention_pb2_grpc.AttentionServiceStub(c) for c in channels]
-        held = await hold(stubs[0], server, 10)
+        held = await hold(stubs[0], server, 15)
         calls = [stub.Encode(ids_request([1, 2, 3]), timeout=30) for stub in stubs]
         await wait_for(lambda: server.sample("attention_queue_depth") == 12, 20, "12 queued calls")
         answers = [await call for call in calls]

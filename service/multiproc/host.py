@@ -290,6 +290,9 @@ class ModelHost:
         if batcher is not None:
             await batcher.drain(grace - margin)
             await batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
+        # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap the edges' exit.
+        metrics_down = (asyncio.create_task(asyncio.to_thread(self._httpd.shutdown)) if self._httpd is not None
+                        else None)
         # The edges answer what the batcher just answered, then exit (by their own grace at the latest).
         procs = [s.proc for s in self.slots if s.proc is not None]
         if procs:
@@ -304,8 +307,8 @@ class ModelHost:
         if self._unix is not None:
             self._unix.close()
         self.threads.close()
-        if self._httpd is not None:
-            await asyncio.to_thread(self._httpd.shutdown)
+        if metrics_down is not None:
+            await metrics_down
             self._httpd.server_close()
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
