@@ -154,10 +154,10 @@ class ModelHost:
     async def _load_and_start_edges(self) -> None:
         config = self.config
         self.batcher, self.spec = await start_model(config, self.metrics, self.threads, self.hooks)
-        edge_config = {**json.loads(json.dumps(_fields(config))), "port": self.port, "ready_file": ""}
-        path = self.directory / CONFIG
-        path.write_text(json.dumps(edge_config))
-        path.chmod(0o600)  # it holds the tokens, if any (the directory is 0700 too)
+        edge_config = {**_fields(config), "port": self.port, "ready_file": ""}
+        # 0600 in a 0700 directory: it holds the bearer tokens, if any.
+        with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            json.dump(edge_config, f)
         self._unix = await asyncio.start_unix_server(self._connection, str(self.directory / SOCKET))
         for slot in self.slots:
             await self._spawn(slot)
