@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import socket
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as v2
 from tritonclient.grpc import service_pb2_grpc
 
@@ -47,6 +49,15 @@ def edge_ledgers(server: ServerProcess) -> list[dict[str, object]]:
     """Each edge's own call ledger, as the model process logged it when the edge stopped."""
     marker = "stopped; its calls "
     return [json.loads(line.split(marker, 1)[1]) for line in server.output().splitlines() if marker in line]
+
+
+def families(server: ServerProcess) -> dict[str, tuple[str, frozenset[str]]]:
+    """The families /metrics exports with samples: name -> (type, label names). Without the `_created`
+    timestamps, which prometheus_client's multiprocess mode does not export (README)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['metrics_port']}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {f.name: (f.type, frozenset(k for s in f.samples for k in s.labels if k != "le"))
+            for f in text_string_to_metric_families(text) if f.samples and not f.name.endswith("_created")}
 
 
 def alive(pid: int) -> bool:
@@ -102,8 +113,10 @@ async def test_outputs_are_bitwise_those_of_one_process(fault_bundle: Path, edge
                 stub = attention_pb2_grpc.AttentionServiceStub(channel)
                 answers.append(([(await stub.Encode(r, timeout=30)).outputs for r in requests],
                                 await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)))
+        exported = [families(single), families(edged)]
     finally:
         single.stop()
+    assert exported[0] == exported[1]  # the same families, of the same types, with the same label sets
     (one, info_one), (edges, info_edges) = answers
     for a, b in zip(one, edges, strict=True):
         assert [o.SerializeToString() for o in a] == [o.SerializeToString() for o in b]
