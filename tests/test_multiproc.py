@@ -60,6 +60,16 @@ def families(server: ServerProcess) -> dict[str, tuple[str, frozenset[str]]]:
             for f in text_string_to_metric_families(text) if f.samples and not f.name.endswith("_created")}
 
 
+def edge_pids(server: ServerProcess) -> list[int]:
+    """The pids of the edges running now (the last one started in each slot), from the log."""
+    latest: dict[str, int] = {}
+    for line in server.output().splitlines():
+        if " started (pid " in line and "service.multiproc.host: edge " in line:
+            slot = line.split("service.multiproc.host: edge ", 1)[1].split()[0]
+            latest[slot] = int(line.rsplit("pid ", 1)[1].rstrip(")"))
+    return list(latest.values())
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -197,6 +207,19 @@ async def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(edged: S
         assert (await held).outputs
 
 
+async def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, edged: ServerProcess):
+    port = edged.ports["port"]
+    with pytest.raises(RuntimeError, match="Failed to bind"):  # a service in one process
+        build_server(test_config(fault_bundle, port=port), CollectorRegistry())
+    with pytest.raises(OSError, match="held by another service's edge processes"):  # one with edge processes
+        reserve_port("127.0.0.1", port)
+    with socket.socket() as plain:  # and this mode cannot take the port of a service in one process
+        plain.bind(("127.0.0.1", 0))
+        plain.listen()
+        with pytest.raises(OSError, match="Failed to bind"):
+            reserve_port("127.0.0.1", plain.getsockname()[1])
+
+
 async def test_a_crashed_edge_is_restarted(edged: ServerProcess):
     victim = edged.ports["edge_pids"][0]  # type: ignore[index]
     os.kill(victim, signal.SIGKILL)
@@ -207,6 +230,21 @@ async def test_a_crashed_edge_is_restarted(edged: ServerProcess):
         async with grpc.aio.insecure_channel(edged.target, options=OWN_CONNECTION) as channel:
             assert (await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]),
                                                                                   timeout=30)).outputs
+
+
+async def test_an_edge_crash_loop_stops_the_service_loudly(edged: ServerProcess):
+    """Last of the module's service (test_a_crashed_edge_is_restarted made the first crash): three more
+    within the minute, and the model process drains and exits 1."""
+    first = edge_pids(edged)
+    for pid in first:  # crashes 2 and 3: restarted
+        os.kill(pid, signal.SIGKILL)
+    await wait_for(lambda: len(set(edge_pids(edged)) - set(first)) == 2, 30, "both edges restarted")
+    os.kill(edge_pids(edged)[0], signal.SIGKILL)  # crash 4
+    assert edged.proc.wait(timeout=30) == 1
+    assert "4 edge crashes within 60 s; stopping the service" in edged.output()
+    book = edged.exit_ledger()  # what it had served still adds up
+    assert book["started"] > 0 and sum(book["handled"].values()) == book["started"], book
+    await wait_for(lambda: not any(alive(pid) for pid in edge_pids(edged)), 20, "the edges to exit")
 
 
 async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_up(fault_bundle: Path,
@@ -246,34 +284,22 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
     assert "Traceback" not in server.output()
 
 
-async def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, edged: ServerProcess):
-    port = edged.ports["port"]
-    with pytest.raises(RuntimeError, match="Failed to bind"):  # a service in one process
-        build_server(test_config(fault_bundle, port=port), CollectorRegistry())
-    with pytest.raises(OSError, match="held by another service's edge processes"):  # one with edge processes
-        reserve_port("127.0.0.1", port)
-    with socket.socket() as plain:  # and this mode cannot take the port of a service in one process
-        plain.bind(("127.0.0.1", 0))
-        plain.listen()
-        with pytest.raises(OSError, match="Failed to bind"):
-            reserve_port("127.0.0.1", plain.getsockname()[1])
-
-
-async def test_a_crashed_model_process_fails_calls_unavailable_and_the_edges_exit(edged: ServerProcess):
-    """Last of the module: it ends the module's service."""
-    edges = [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in edged.output().splitlines()
-             if "started (pid" in line][-2:]  # the restarted edge's pid too
+async def test_a_crashed_model_process_fails_calls_unavailable_and_the_edges_exit(fault_bundle: Path,
+                                                                                  tmp_path: Path):
+    server = ServerProcess(fault_bundle, *EDGE, directory=tmp_path)
+    edges: list[int] = server.ports["edge_pids"]  # type: ignore[assignment]
     try:
-        async with grpc.aio.insecure_channel(edged.target) as channel:
+        async with grpc.aio.insecure_channel(server.target) as channel:
             stub = attention_pb2_grpc.AttentionServiceStub(channel)
-            held = await hold(stub, edged, 25)
-            edged.proc.kill()
+            held = await hold(stub, server, 25)
+            server.proc.kill()
             with pytest.raises(grpc.aio.AioRpcError) as lost:
                 await held
             assert lost.value.code() == Code.UNAVAILABLE
             assert_clean_status(lost.value)
         await wait_for(lambda: not any(alive(pid) for pid in edges), 20, "the edges to exit")
     finally:
+        server.kill()
         for pid in edges:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -355,14 +355,20 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
         assert host.startup is not None
         waiter = asyncio.create_task(signals.get())
         failed = asyncio.create_task(host.failed.wait())
-        await asyncio.wait({waiter, host.startup, failed}, return_when=asyncio.FIRST_COMPLETED)
-        startup_error = (host.startup.exception() if host.startup.done() and not host.startup.cancelled()
-                         else None)
-        if startup_error is not None or failed.done():
-            if startup_error is not None:
-                log.error("start-up failed: %s", startup_error)
+        watched: set[asyncio.Future[Any]] = {waiter, failed, host.startup}
+        while not (waiter.done() or failed.done()):  # a start-up that succeeds ends neither
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if host.startup.done() and not host.startup.cancelled() and host.startup.exception() is not None:
+                log.error("start-up failed: %s", host.startup.exception())
+                waiter.cancel()
+                failed.cancel()
+                await host.stop(0)
+                return 1
+            watched.discard(host.startup)
+        if failed.done():
             waiter.cancel()
-            await host.stop(0 if startup_error is not None else None)
+            await host.stop()
+            log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
             return 1
         failed.cancel()
         signum = await waiter
