@@ -45,9 +45,13 @@ async def run(directory: Path) -> int:
     multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
     serving = Serving()
     health_servicer = health.aio.HealthServicer()
-    reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
     limit = wire.max_frame(config.max_message_bytes)
-    kind, _, body = await wire.read_frame(reader, limit)
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
+        kind, _, body = await wire.read_frame(reader, limit)
+    except (OSError, asyncio.IncompleteReadError, wire.FrameError) as exc:
+        log.error("cannot reach the model process: %s", exc)
+        return 1
     if kind != wire.HELLO:
         log.error("the model process sent frame kind %d before HELLO", kind)
         return 1
