@@ -10,6 +10,7 @@ calls UNAVAILABLE; the port cannot be shared by accident.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -329,6 +330,8 @@ def test_jobs_and_results_cross_bit_for_bit():
     from service.batching import Done
     from service.jobs import POOL_CLS, Job, Output
 
+    for cls, carried in ((Job, wire.JOB_FIELDS), (Output, wire.OUTPUT_FIELDS), (Done, wire.DONE_FIELDS)):
+        assert {f.name for f in dataclasses.fields(cls)} == carried, cls  # a new field must cross too
     rng = np.random.default_rng(1)
     jobs = [Job(rng.integers(0, 100, 9), None, causal=True, attn_layers=(0, 3), heads_mean=True, pooling=POOL_CLS,
                 return_hidden=False, normalize=True),

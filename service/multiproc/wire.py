@@ -43,6 +43,14 @@ _DTYPES = (np.dtype("<f4"), np.dtype("<i8"), np.dtype("<f2"), np.dtype("<i4"), n
 _IDS, _EMBEDDINGS, _CAUSAL, _HEADS_MEAN, _HIDDEN, _NORMALIZE = (1 << i for i in range(6))
 
 
+# What SUBMIT and RESULT carry of a Job, an Output and a Done: a field added there must be added here
+# too (tests/test_multiproc.py holds these to the dataclasses, so none is dropped silently).
+JOB_FIELDS = frozenset({"token_ids", "embeddings", "causal", "attn_layers", "heads_mean", "pooling",
+                        "return_hidden", "normalize"})
+OUTPUT_FIELDS = frozenset({"hidden", "pooled", "attention", "fp32_rerun"})
+DONE_FIELDS = frozenset({"output", "queue_s", "compute_s", "batch_size", "padded_length"})
+
+
 class FrameError(Exception):
     """A frame that breaks the format or its size bound: the connection is closed."""
 
