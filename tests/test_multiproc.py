@@ -157,6 +157,24 @@ async def test_text_is_tokenized_in_the_edges_with_the_model_process_tokenizer(t
     assert too_long.value.code() == Code.INVALID_ARGUMENT
 
 
+async def test_bearer_tokens_from_the_environment_guard_every_edge(fault_bundle: Path, tmp_path: Path):
+    server = ServerProcess(fault_bundle, *EDGE, directory=tmp_path, env={"ATTN_AUTH_TOKENS": "tok-alpha"})
+    try:
+        for _ in range(4):  # fresh connections, so both edges are asked
+            async with grpc.aio.insecure_channel(server.target, options=OWN_CONNECTION) as channel:
+                stub = attention_pb2_grpc.AttentionServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Encode(ids_request([1, 2]), timeout=10)
+                assert refused.value.code() == Code.UNAUTHENTICATED
+                ok = await stub.Encode(ids_request([1, 2]), timeout=10,
+                                       metadata=(("authorization", "Bearer tok-alpha"),))
+                assert ok.outputs
+    finally:
+        server.stop()
+    assert "tok-alpha" not in server.output()  # the secret reached the edges, never the log
+    assert server.exit_ledger()["handled"] == {"OK": 4}  # refused before any handler: not started
+
+
 async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: ServerProcess):
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
