@@ -172,8 +172,8 @@ class EncoderClient(_Base):
         Text needs a model served with a tokenizer (`model_info().text`): `encode(["a sentence", ...])`
         returns its sentence embeddings in `result.pooled` (pooling "model": the model's own, and its
         default normalisation). `normalize` L2-normalises pooled vectors (None: the model's default);
-        `prompt_name` prepends one of the model's prompts; `truncate=True` cuts text over the model's
-        token limit (else INVALID_ARGUMENT naming sequences[i].text); `return_tokens` adds
+        `prompt_name` prepends one of the model's prompts; `truncate=True` cuts sequences over the model's
+        limit (long_inputs="truncate"; else INVALID_ARGUMENT naming sequences[i]...); `return_tokens` adds
         `result.token_ids` and `result.tokens` for text. `result.token_counts`/`truncated` per sequence.
         `long_inputs`: what to do with a sequence longer than the model (ids, embeddings and text):
         "error" (the default), "truncate" (keep the first max_length tokens; `result.truncated`) or

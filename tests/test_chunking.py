@@ -22,7 +22,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import from_tensor, to_tensor
 from tests.helpers import Running, ids_request, violated_field, wait_for
 from tests.reliability_helpers import Admissions, assert_clean_status, assert_ledger_balanced, batches
-from tests.reliability_helpers import fault_state  # noqa: F401  (a fixture)
+from tests.reliability_helpers import fault_state as fault_state  # a fixture
 
 W = 64  # the tiny model's max_length
 D = 32
@@ -222,7 +222,8 @@ async def test_cancelling_a_chunked_call_drops_all_its_queued_windows(start_serv
     await assert_ledger_balanced(s, admissions)
 
 
-async def test_a_failing_window_fails_its_call_only(start_server: Any, fault_bundle: Path, fault_state: Any) -> None:
+@pytest.mark.usefixtures("fault_state")
+async def test_a_failing_window_fails_its_call_only(start_server: Any, fault_bundle: Path) -> None:
     s = await start_server(bundle=fault_bundle, max_wait_ms=50)
     admissions = Admissions(s)
     poisoned = rng_ids(160, seed=6)
