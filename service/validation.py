@@ -67,16 +67,18 @@ class Plan:
 
 
 class _Layout:
-    """A call's jobs as they are validated, each sequence fitted to the model's length as the call asks."""
+    """A call's jobs once one of its sequences is longer than the model (the call truncates or chunks):
+    each sequence fitted to the model's length as the call asks. Until then validation only appends
+    jobs, so a call without long sequences pays nothing for this."""
 
-    def __init__(self, long: LongInputs, attention_field: str, field: Callable[[int], str]) -> None:
+    def __init__(self, long: LongInputs, attention_field: str, field: Callable[[int], str], jobs: list[Job]) -> None:
         self.long, self.attention_field, self.field = long, attention_field, field  # field: sequence i's name
-        self.jobs: list[Job] = []
-        self.chunks: list[Chunked | None] = []
-        self.cut: list[bool] = []
+        self.jobs = jobs  # those so far: all within the limit
+        self.chunks: list[Chunked | None] = [None] * len(jobs)
+        self.cut = [False] * len(jobs)
 
     def add(self, job: Job, window: int) -> None:
-        """`job` (longer than `window` only when the call truncates or chunks), or its cut or windows."""
+        """`job`, or its cut or windows."""
         chunk, cut = None, False
         if job.length <= window:
             self.jobs.append(job)
@@ -101,6 +103,18 @@ class _Layout:
                 "truncated": tuple(self.cut) if any(self.cut) else ()}
 
 
+def _fit(layout: _Layout | None, jobs: list[Job], job: Job, window: int, long: LongInputs, attention_field: str,
+         field: Callable[[int], str]) -> _Layout | None:
+    """Add `job` to the call: appended while every sequence fits, else through a `_Layout` (returned)."""
+    if layout is None:
+        if job.length <= window:
+            jobs.append(job)
+            return None
+        layout = _Layout(long, attention_field, field, jobs)
+    layout.add(job, window)
+    return layout
+
+
 def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> Plan:
     if len(request.request_id) > MAX_REQUEST_ID:
         raise InvalidInput("request_id", f"at most {MAX_REQUEST_ID} characters; got {len(request.request_id)}")
@@ -122,7 +136,8 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
     if not return_hidden and out.pooling == pb.POOLING_NONE and not layers:
         raise InvalidInput("output", "nothing to return: hidden states off, no pooling, no attention")
 
-    layout = _Layout(long, ATTENTION_FIELD, lambda i: f"sequences[{i}].{request.sequences[i].WhichOneof('input')}")
+    jobs: list[Job] = []
+    layout = None
     text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
     for i, sequence in enumerate(request.sequences):
         encoded = texts[i] if texts else None
@@ -131,13 +146,18 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
             token_ids, embeddings, window = encoded.ids, None, text_window
         else:
             (token_ids, embeddings), window = _decode_input(i, sequence, spec, long.mode), spec.max_length
-        layout.add(Job(
+        job = Job(
             token_ids=token_ids, embeddings=embeddings, causal=request.causal, attn_layers=layers,
             heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
             normalize=normalize,
-        ), window)
-    plan = Plan(request.request_id, layout.jobs, output_dtype, attention_dtype, texts, out.return_tokens,
-                **layout.fields())
+        )
+        if layout is None and job.length <= window:  # the common case, inline
+            jobs.append(job)
+        else:
+            layout = _fit(layout, jobs, job, window, long, ATTENTION_FIELD,
+                          lambda i: f"sequences[{i}].{request.sequences[i].WhichOneof('input')}")
+    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype, texts, out.return_tokens,
+                **(layout.fields() if layout is not None else {}))
     if plan.tokens > config.max_tokens_per_call:
         raise InvalidInput("sequences", f"{plan.tokens} tokens in all{_WINDOWED * bool(plan.chunks)}; at most "
                            f"{config.max_tokens_per_call} per call")
@@ -246,17 +266,19 @@ def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions,
     layers = _attention_layers(att, spec, config, layers_field)
     return_hidden = out.return_hidden if out.HasField("return_hidden") else True
     window = window or spec.max_length
-    layout = _Layout(long, attention_field, lambda i: f"{field}[{i}]")
+    jobs: list[Job] = []
+    layout = None
     for i, row in enumerate(rows):
         if len(row) < 1 or (len(row) > window and long.mode == ERROR):
             raise InvalidInput(f"{field}[{i}]", f"length must be 1..{window}; got {len(row)}" + _HINT * (len(row) > 1))
         if (j := _first_out_of_vocab(row, spec.vocab_size)) is not None:
             raise InvalidInput(f"{field}[{i}, {j}]", f"id {int(row[j])} not in [0, {spec.vocab_size})")
-        layout.add(Job(token_ids=row.astype(np.int64, copy=False), embeddings=None, attn_layers=layers,
-                       heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
-                       normalize=normalize), window)
-    plan = Plan(request_id, layout.jobs, _float_dtype("datatype", out.dtype), _float_dtype("datatype", att.dtype),
-                **layout.fields())
+        layout = _fit(layout, jobs, Job(
+            token_ids=row.astype(np.int64, copy=False), embeddings=None, attn_layers=layers,
+            heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden, normalize=normalize,
+        ), window, long, attention_field, lambda i: f"{field}[{i}]")
+    plan = Plan(request_id, jobs, _float_dtype("datatype", out.dtype), _float_dtype("datatype", att.dtype),
+                **(layout.fields() if layout is not None else {}))
     if plan.tokens > config.max_tokens_per_call:
         raise InvalidInput(field, f"{plan.tokens} tokens in all{_WINDOWED * bool(plan.chunks)}; at most "
                            f"{config.max_tokens_per_call} per call")
@@ -375,11 +397,9 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> int:
     out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
     D = spec.d_model
     total = _field(len(plan.request_id.encode()))
-    for i, job in enumerate(plan.sequences):
+    for job in plan.sequences:
         T = job.length
         body = 2  # nonfinite = true
-        if plan.chunks and (chunk := plan.chunks[i]) is not None:
-            body += 1 + _varint(len(chunk.starts))  # windows
         if job.return_hidden:
             body += _field(_tensor((T, D), out_size))
         if job.pooling:
@@ -388,6 +408,8 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> int:
             heads = 1 if job.heads_mean else spec.n_heads
             body += _field(_tensor((len(job.attn_layers), heads, T, T), att_size))
         total += _field(body)
+    if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
+        total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)
     # queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0), fp32_retry, then the strings.
     metadata = 2 * 11 + 2 * 6 + 2 + sum(
         _field(len(text.encode())) for text in (spec.precision, spec.device, spec.name, spec.version))

@@ -349,3 +349,33 @@ async def test_minilm_text_chunks_over_the_whole_tokenized_text(start_server: An
     field, message = await _refused(served, pb.EncodeRequest(sequences=[pb.Sequence(text=text)], long_inputs=CHUNK,
                                                              chunk_stride=257))
     assert field == "chunk_stride" and "1..256" in message
+
+
+async def test_text_chunks_through_grpc_and_kserve_alike(start_server: Any, tiny_text_bundle: Path) -> None:
+    from tests.test_kserve_text import text_input
+
+    served = await start_server(bundle=tiny_text_bundle)  # max_tokens 8
+    text = "a b c a b c a b c"  # 11 tokens with [CLS] and [SEP]
+    r = await served.stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text=text)], long_inputs=CHUNK,
+                                                  chunk_stride=3, output=pb.OutputOptions(
+                                                      pooling=pb.POOLING_MODEL, return_tokens=True)), timeout=30)
+    out = r.outputs[0]
+    ids = np.asarray(from_tensor(out.token_ids))
+    expected, windows = stitched_by_hand(runner_of(tiny_text_bundle), ids, 8, 3)
+    assert (out.token_count, out.windows, windows) == (11, 2, 2) and list(out.tokens[::10]) == ["[CLS]", "[SEP]"]
+    np.testing.assert_allclose(hidden_of(out), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(from_tensor(out.pooled), normalized(expected.mean(axis=0)), rtol=0, atol=1e-5)
+    client = triton_aio.InferenceServerClient(served.target)
+    try:
+        result = await client.infer("tiny-bert", [text_input([text, "the cats"])],
+                                    parameters={"long_inputs": "chunk", "chunk_stride": 3})
+        assert result.as_numpy("last_hidden_state").shape == (2, 11, 32)
+        np.testing.assert_allclose(result.as_numpy("last_hidden_state")[0], expected, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("pooled")[0], from_tensor(out.pooled), rtol=0, atol=1e-6)
+        assert result.get_response().parameters["windows"].int64_param == 2
+        with pytest.raises(Exception) as info:  # the text window is max_tokens (8), not max_length
+            await client.infer("tiny-bert", [text_input([text])], parameters={"long_inputs": "chunk",
+                                                                               "chunk_stride": 9})
+        assert "parameters.chunk_stride" in str(info.value) and "1..8" in str(info.value)
+    finally:
+        await client.close()
