@@ -270,7 +270,8 @@ def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions,
     layout = None
     for i, row in enumerate(rows):
         if len(row) < 1 or (len(row) > window and long.mode == ERROR):
-            raise InvalidInput(f"{field}[{i}]", f"length must be 1..{window}; got {len(row)}" + _HINT * (len(row) > 1))
+            raise InvalidInput(f"{field}[{i}]",
+                               f"length must be 1..{window}; got {len(row)}" + _HINT * (len(row) > window))
         if (j := _first_out_of_vocab(row, spec.vocab_size)) is not None:
             raise InvalidInput(f"{field}[{i}, {j}]", f"id {int(row[j])} not in [0, {spec.vocab_size})")
         layout = _fit(layout, jobs, Job(
@@ -331,7 +332,8 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec,
         raise InvalidInput(field, f"shape must be {want}; got {list(tensor.shape)}")
     length = tensor.shape[0]
     if length < 1 or (length > spec.max_length and long_mode == ERROR):
-        raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}" + _HINT * (length > 1))
+        raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}"
+                           + _HINT * (length > spec.max_length))
     if kind == "embeddings" and tensor.shape[1] != spec.d_model:
         raise InvalidInput(field, f"shape must be [T, {spec.d_model}]; got {list(tensor.shape)}")
     try:
