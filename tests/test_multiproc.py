@@ -81,7 +81,7 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def edged(fault_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = ServerProcess(fault_bundle, *EDGE, "--max-queue-tokens", "40", "--max-batch-size", "16",
+    server = ServerProcess(fault_bundle, *EDGE, "--max-queue-tokens", "150", "--max-batch-size", "16",
                            directory=tmp_path_factory.mktemp("edged"))
     yield server
     server.stop()
@@ -116,6 +116,7 @@ async def test_outputs_are_bitwise_those_of_one_process(fault_bundle: Path, edge
             dtype=pb.DTYPE_FLOAT32, shape=[5, 32], data=rng.standard_normal((5, 32), np.float32).tobytes()))],
             causal=True, output=pb.OutputOptions(dtype=pb.DTYPE_FLOAT16, return_hidden=False,
                                                  pooling=pb.POOLING_CLS)),
+        ids_request(rng.integers(1, 90, 70), long_inputs=pb.LONG_INPUTS_CHUNK, chunk_stride=32),  # 64-token model
     ]
     try:
         answers = []
@@ -131,6 +132,7 @@ async def test_outputs_are_bitwise_those_of_one_process(fault_bundle: Path, edge
     (one, info_one), (edges, info_edges) = answers
     for a, b in zip(one, edges, strict=True):
         assert [o.SerializeToString() for o in a] == [o.SerializeToString() for o in b]
+    assert one[-1][0].windows > 1  # the long one ran as several windows, stitched the same way
     assert info_one == info_edges
 
 
@@ -187,10 +189,10 @@ async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: 
         assert invalid.value.code() == Code.INVALID_ARGUMENT
 
         held = await hold(stub, edged, 10)
-        queued = [stub.Encode(ids_request(np.arange(1, 17)), timeout=30) for _ in range(2)]
+        queued = [stub.Encode(ids_request(np.arange(1, 65)), timeout=30) for _ in range(2)]
         await wait_for(lambda: edged.sample("attention_queue_depth") == 2, 20, "two queued calls")
-        with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_tokens 40: 32 queued, 16 more
-            await stub.Encode(ids_request(np.arange(1, 17)), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_tokens 150: 128 queued, 64 more
+            await stub.Encode(ids_request(np.arange(1, 65)), timeout=30)
         assert refused.value.code() == Code.RESOURCE_EXHAUSTED
         assert_clean_status(refused.value)
         retry = error_details_pb2.RetryInfo()
