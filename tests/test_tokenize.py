@@ -131,3 +131,21 @@ async def test_client_library_and_cli(start_server: Any, minilm_bundle: Path, mi
     assert json.loads(capsys.readouterr().out) == [
         {"ids": [101, 1037, 1038, 102], "tokens": ["[CLS]", "a", "b", "[SEP]"], "truncated": False, "token_count": 4}]
     assert await asyncio.to_thread(cli_main, ["--target", served.target, "tokenize"]) == 2  # no --text
+
+
+async def test_tokenize_through_edge_processes(tiny_text_bundle: Path, tmp_path: Path) -> None:
+    """With `--edge-processes 2` the edges tokenize with the tokenizer the model process sent them."""
+    from bench.server_process import ServerProcess
+    from proto.attention.v1 import attention_pb2_grpc
+
+    server = ServerProcess(tiny_text_bundle, "--edge-processes", "2", directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            r = await stub.Tokenize(pb.TokenizeRequest(texts=["cat", ""], prompt_name="query"), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as too_long:
+                await stub.Tokenize(pb.TokenizeRequest(texts=["a b c a b c a b c"]), timeout=10)
+    finally:
+        server.stop()
+    assert [list(t.tokens) for t in r.texts] == [["[CLS]", "a", "cat", "[SEP]"], ["[CLS]", "a", "[SEP]"]]
+    assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _field(too_long.value) == "texts[0]"
