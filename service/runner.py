@@ -124,7 +124,7 @@ class Runner:
             self._forward(self._fp32_module, [Job(ids[:8], None)])
         if self.diagnostics:
             # TorchScript profiles and optimises a method on its first calls: without this, the first
-            # sampled batches would pay that (hundreds of ms on a model thread), not the service's start.
+            # sampled batches would pay that on a model thread, rather than the service's start.
             for jobs in ([Job(ids, None)] * n, [Job(ids[:8], None)] * 2, [Job(ids[:8], None)] * 2):
                 self._diagnose(jobs)
 
