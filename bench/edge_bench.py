@@ -7,7 +7,11 @@ answering the same bytes, under the same load generator, in one run (`make bench
 
 Variants, each a fresh process per round on 127.0.0.1:
 - `service`: `python -m service` (bench/server_process.py) serving a 1-layer, d_model 32 bundle
-  (`EDGE_MODEL`: its forward is a fraction of a millisecond), with `--server-flag`s after the defaults;
+  (`EDGE_MODEL`: its forward is a fraction of a millisecond) with `ISOLATE_FLAGS` (one intra-op thread,
+  one model worker), then the `--server-flag`s (which win: `--server-flag=--torch-threads=0
+  --server-flag=--model-workers=0` measures the CPU defaults). With two intra-op threads OpenMP's
+  pool spins between a tiny model's batches and costs more CPU per call than the whole edge
+  (bench/RESULTS.md, issue 22): on a GPU that pool idles, so it is kept out of the edge's figures;
 - `base` (with `--base-source`): the same from another checkout (e.g. `git worktree add /tmp/base main`),
   with `--base-flag`s, so before and after are measured in the same run;
 - `floor-aio` / `floor-sync`: a bare grpc.aio server / a sync `grpc.server` (bench/grpc_floor.py
@@ -64,6 +68,7 @@ from proto.attention.v1 import attention_pb2 as pb
 ROOT = Path(__file__).resolve().parents[1]
 EDGE_MODEL = EncoderConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64, vocab_size=100, max_length=64)
 TOKENS = 16
+ISOLATE_FLAGS = ("--torch-threads", "1", "--model-workers", "1")
 FLOORS = ("floor-aio", "floor-sync")
 MAX_SECONDS = 60.0
 
@@ -180,7 +185,7 @@ class Variants:
                     assert answers is not None
                     self.servers[name] = FloorServer(name.removeprefix("floor-"), answers)
                 else:
-                    self.servers[name] = ServerProcess(bundle, "--log-level", "warning", *flags[name],
+                    self.servers[name] = ServerProcess(bundle, "--log-level", "warning", *ISOLATE_FLAGS, *flags[name],
                                                        source=sources[name], timeout=300)
             for server in self.servers.values():
                 warm(server.target)
@@ -229,6 +234,7 @@ PROFILE_BUCKETS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compi
     ("event loop", r"asyncio/|selectors\.py"),
 ))
 CALLBACK_LEAF = "gRPC core + asyncio C (callbacks)"
+BUCKETS = (*(name for name, _ in PROFILE_BUCKETS), CALLBACK_LEAF, "other")
 
 
 def bucket_of(stack: Sequence[str]) -> str:
@@ -351,14 +357,15 @@ def run(*, concurrencies: Sequence[int], connections: Sequence[int], rounds: int
         "model": {"d_model": EDGE_MODEL.d_model, "n_layers": EDGE_MODEL.n_layers, "n_heads": EDGE_MODEL.n_heads,
                   "d_ff": EDGE_MODEL.d_ff}, "tokens_per_call": TOKENS, "points": points, "rounds": rounds,
         "seconds": seconds, "warmup_s": warmup, "max_calls": max_calls, "variants": list(variants),
-        "flags": flags, "sources": {k: str(v) for k, v in sources.items()},
+        "flags": {k: [*ISOLATE_FLAGS, *v] for k, v in flags.items() if k in variants},
+        "sources": {k: str(v) for k, v in sources.items() if k in variants},
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "machine": machine(),
     })
     with tempfile.TemporaryDirectory(prefix="edge-bench-") as tmp:
         bundle = build_edge_bundle(Path(tmp))
         answers = None
         if any(v in FLOORS for v in variants):
-            first = ServerProcess(bundle, "--log-level", "warning", timeout=300)
+            first = ServerProcess(bundle, "--log-level", "warning", *ISOLATE_FLAGS, timeout=300)
             try:
                 answers = service_answers(first.target)
             finally:
