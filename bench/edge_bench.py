@@ -19,9 +19,10 @@ Variants, each a fresh process per round on 127.0.0.1:
 The load is client/bench.py's closed loop (`run_load`): one sequence of 16 token ids per call, hidden
 states back in float32, `c` callers over `min(k, c)` connections for each concurrency and connection
 count. Rounds interleave the variants (order rotated per point and round), so the machine's drift
-falls on all alike. Per point and variant: calls/s, p50/p99, and CPU per call: the server process
-(all threads, and its main thread, the event loop, from /proc, warm-up calls included) and the load
-generator (this process, measured calls). `ratio` is the service's calls/s over floor-aio's, per round.
+falls on all alike. Per point and variant: calls/s, p50/p99, and CPU per call: the server (all
+threads of its process and of any process under it, and its main thread, the event loop, from /proc,
+warm-up calls included) and the load generator (this process, measured calls). `ratio` is the
+service's calls/s over floor-aio's, per round.
 
 `--profile` adds one slice per profiled concurrency (64 by default) with py-spy sampling the service
 process (`py-spy record --native`, non-idle samples only, so the counts are CPU), and splits its
@@ -205,13 +206,32 @@ def warm(target: str) -> None:
         asyncio.run(run_load(target, concurrency=concurrency, duration_s=0.5, lengths=(TOKENS, TOKENS), timeout=30))
 
 
+def tree_cpu_s(pid: int) -> tuple[float, float]:
+    """`bench.ab.cpu_s` over `pid` and every process under it (a server that runs its edge in several
+    processes), and the CPU seconds of `pid`'s main thread."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier and child not in tree]
+        tree.update(frontier)
+    total, loop = cpu_s(pid)
+    for other in tree - {pid}:
+        with contextlib.suppress(OSError):
+            total += cpu_s(other)[0]
+    return total, loop
+
+
 def one_slice(server: ServerProcess | FloorServer, variant: str, concurrency: int, connections: int, round_: int,
               seconds: float, warmup: float, max_calls: int | None) -> Slice:
-    before = cpu_s(server.pid)
+    before = tree_cpu_s(server.pid)
     r = asyncio.run(run_load(server.target, concurrency=concurrency, connections=connections, duration_s=seconds,
                              max_requests=max_calls, warmup_s=warmup, lengths=(TOKENS, TOKENS), seed=round_,
                              pool_size=256, timeout=30))
-    after = cpu_s(server.pid)
+    after = tree_cpu_s(server.pid)
     served = max(r.requests + r.warmup_requests, 1)
     return Slice(variant, concurrency, connections, round_, r.requests, r.ok, dict(r.errors), r.requests_per_s,
                  r.latency_ms["p50"], r.latency_ms["p99"], 1e3 * (after[0] - before[0]) / served,
