@@ -15,7 +15,9 @@ Variants, each a fresh process per round on 127.0.0.1:
 - `base` (with `--base-source`): the same from another checkout (e.g. `git worktree add /tmp/base main`),
   with `--base-flag`s, so before and after are measured in the same run;
 - `floor-aio` / `floor-sync`: a bare grpc.aio server / a sync `grpc.server` (bench/grpc_floor.py
-  `FloorServer`) answering GetModelInfo and Encode with the bytes the service answered, doing no work.
+  `FloorServer`) answering GetModelInfo and Encode with the bytes the service answered, doing no work;
+  `floor-aio-hop` (asked for with `--floors`): floor-aio whose handler gets its bytes from a worker
+  thread, the hand-off the service makes to its model thread;
 The load is client/bench.py's closed loop (`run_load`): one sequence of 16 token ids per call, hidden
 states back in float32, `c` callers over `min(k, c)` connections for each concurrency and connection
 count. Rounds interleave the variants (order rotated per point and round), so the machine's drift
@@ -69,8 +71,10 @@ from proto.attention.v1 import attention_pb2 as pb
 ROOT = Path(__file__).resolve().parents[1]
 EDGE_MODEL = EncoderConfig(d_model=32, n_heads=4, n_layers=1, d_ff=64, vocab_size=100, max_length=64)
 TOKENS = 16
-ISOLATE_FLAGS = ("--torch-threads", "1", "--model-workers", "1")
-FLOORS = ("floor-aio", "floor-sync")
+# The floors have no stream limit; the service's default (256 a connection) refuses some calls of 256
+# callers on one connection (a caller's next call can open before its last stream is released).
+ISOLATE_FLAGS = ("--torch-threads", "1", "--model-workers", "1", "--max-concurrent-streams", "1024")
+FLOORS = ("floor-aio", "floor-sync", "floor-aio-hop")
 MAX_SECONDS = 60.0
 
 @dataclass(frozen=True)
@@ -435,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per slice")
     parser.add_argument("--warmup", type=float, default=0.5, help="warm-up seconds per slice (not measured)")
     parser.add_argument("--max-calls", type=int, default=None, help="measured calls per slice at most")
-    parser.add_argument("--floors", nargs="*", choices=FLOORS, default=list(FLOORS))
+    parser.add_argument("--floors", nargs="*", choices=FLOORS, default=list(FLOORS[:2]),
+                        help="floor-aio-hop: floor-aio whose handler awaits a worker thread (default: aio, sync)")
     parser.add_argument("--server-flag", action="append", default=[], help="a flag for the service (repeat)")
     parser.add_argument("--base-source", type=Path, default=None, help="another checkout, measured as `base`")
     parser.add_argument("--base-flag", action="append", default=[], help="a flag for the base service (repeat)")

@@ -90,11 +90,16 @@ def _answers_handlers(answers: dict[str, bytes], behaviour: Any) -> list[grpc.Ge
     return [grpc.method_handlers_generic_handler(name, methods) for name, methods in services.items()]
 
 
-async def _answer_aio(answers: dict[str, bytes], ports: Any) -> None:
+async def _answer_aio(answers: dict[str, bytes], ports: Any, hop: bool) -> None:
+    pool = ThreadPoolExecutor(1)
+
     def behaviour(payload: bytes) -> Any:
         async def call(request: bytes, context: Any) -> bytes:
             return payload
-        return call
+
+        async def call_hop(request: bytes, context: Any) -> bytes:
+            return await asyncio.wrap_future(pool.submit(_identity, payload))
+        return call_hop if hop else call
 
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(_answers_handlers(answers, behaviour))
@@ -117,8 +122,8 @@ def _answer_sync(answers: dict[str, bytes], ports: Any, threads: int) -> None:
 
 
 def _answer(kind: str, answers: dict[str, bytes], ports: Any, threads: int) -> None:
-    if kind == "aio":
-        asyncio.run(_answer_aio(answers, ports))
+    if kind in ("aio", "aio-hop"):
+        asyncio.run(_answer_aio(answers, ports, hop=kind == "aio-hop"))
     else:
         _answer_sync(answers, ports, threads)
 
@@ -126,12 +131,13 @@ def _answer(kind: str, answers: dict[str, bytes], ports: Any, threads: int) -> N
 class FloorServer:
     """A bare gRPC server in a fresh process on 127.0.0.1 that answers each method of `answers`
     ("/pkg.Service/Method" -> response bytes) with its bytes at once, doing nothing else: what Python
-    gRPC alone costs per call. `kind` "aio" is a grpc.aio server; "sync" a `grpc.server` whose
-    handlers run on a pool of `threads`. `stop()` kills it."""
+    gRPC alone costs per call. `kind` "aio" is a grpc.aio server; "aio-hop" the same whose handler
+    awaits the bytes from a worker thread (the hand-off every service call makes to its model thread,
+    one per call here); "sync" a `grpc.server` whose handlers run on a pool of `threads`. `stop()` kills it."""
 
     def __init__(self, kind: str, answers: dict[str, bytes], *, threads: int = 8, timeout: float = 60.0) -> None:
-        if kind not in ("aio", "sync"):
-            raise ValueError(f"kind must be aio or sync; got {kind!r}")
+        if kind not in ("aio", "aio-hop", "sync"):
+            raise ValueError(f"kind must be aio, aio-hop or sync; got {kind!r}")
         context = mp.get_context("spawn")
         ports: Any = context.Queue()
         self.kind = kind
