@@ -57,3 +57,12 @@ def test_a_sample_goes_to_its_innermost_matching_frame() -> None:
            "thread (12): model-runner;Batcher._run (service/batching/batcher.py:250) 3\n")
     assert edge_bench.split_pyspy(raw) == {"MainThread": {edge_bench.CALLBACK_LEAF: 7},
                                            "model-runner": {"batcher handoff": 3}}
+
+
+def test_the_parts_bench_times_every_piece(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import edge_parts
+
+    assert edge_parts.main(["--number", "5", "--repeat", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "piece" not in line]
+    assert len(rows) == len(edge_parts.parts()) == 7
+    assert all(float(row.rsplit("|", 2)[1]) > 0 for row in rows)
