@@ -4,7 +4,7 @@ thread (the batch choice, the batch metrics). Timed on whatever tree is first on
 compare as
 
     PYTHONPATH=/path/to/other/checkout python bench/edge_parts.py
-    python bench/edge_parts.py
+    PYTHONPATH=. python bench/edge_parts.py
 
 Prints a markdown table: the minimum over `--repeat` runs of `--number` calls, in microseconds.
 """
@@ -12,6 +12,7 @@ Prints a markdown table: the minimum over `--repeat` runs of `--number` calls, i
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import timeit
 from collections.abc import Callable
@@ -43,11 +44,14 @@ def parts() -> list[tuple[str, Callable[[], Any]]]:
     done = [Done(Output(np.zeros((16, 32), np.float32), None, None, False), 0.001, 0.001, 8, 16)]
     metrics = Metrics(CollectorRegistry())
     limits = BatchLimits(max_batch_tokens=1024, max_batch_size=64)
+    # Before long inputs (issue 21) the response took no per-sequence outputs: both trees run this.
+    outputs = ([d.output for d in done],) if len(inspect.signature(_response).parameters) == 4 else ()
+    response_args = (plan, done, *outputs, spec)
     ages8 = [0.001 * i for i in range(8, 0, -1)]  # oldest first
     return [
         ("parse + validate, one 16-id sequence (event loop, per call)", lambda: validate(parse(raw), spec, config)),
         ("build and serialize the response (event loop, per call)",
-         lambda: _response(plan, done, spec).SerializeToString()),
+         lambda: _response(*response_args).SerializeToString()),
         ("attention_requests_total + duration (per call)", lambda: metrics.observe_request("Encode", "OK", 0.01)),
         ("choose_batch, 4 mixed lengths (model thread, per batch)",
          lambda: choose_batch([16, 17, 18, 19], [0.004, 0.003, 0.002, 0.001], limits)),

@@ -82,7 +82,7 @@ def result_json(result: EncodeResult) -> dict[str, Any]:
     outputs = []
     for i in range(len(result)):
         entry: dict[str, Any] = {"nonfinite": result.nonfinite[i], "token_count": result.token_counts[i],
-                                 "truncated": result.truncated[i]}
+                                 "truncated": result.truncated[i], "windows": result.windows[i]}
         if result.tokens:
             entry["tokens"] = result.tokens[i]
             entry["token_ids"] = result.token_ids[i].tolist()
@@ -121,6 +121,7 @@ def format_result(result: EncodeResult, count: int = 4) -> str:
     lines = []
     for i in range(len(result)):
         lines.append(f"sequence {i}: {result.token_counts[i]} tokens" + (" (truncated)" if result.truncated[i] else "")
+                     + (f" (chunked: {result.windows[i]} windows)" if result.windows[i] else "")
                      + ("  (nonfinite in reduced precision; fp32 re-run)" if result.nonfinite[i] else ""))
         if result.tokens:
             lines.append(f"  tokens    {' '.join(result.tokens[i])}")
@@ -159,7 +160,8 @@ def cmd_encode(args: argparse.Namespace) -> int:
                                output_dtype=args.dtype, attention=args.attention, layers=args.layers,
                                heads=args.heads, attention_dtype=args.dtype, causal=args.causal,
                                normalize=args.normalize, prompt_name=args.prompt, truncate=args.truncate,
-                               return_tokens=args.tokens, request_id=args.request_id)
+                               return_tokens=args.tokens, long_inputs=args.long_inputs, stride=args.stride,
+                               request_id=args.request_id)
     if args.out:
         print(write_result(result, Path(args.out)))
     else:
@@ -330,7 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalise pooled vectors (default: the model's)")
     p.add_argument("--prompt", default="", help="text: one of the model's named prompts (python -m client info)")
-    p.add_argument("--truncate", action="store_true", help="text: cut text over the model's token limit")
+    p.add_argument("--truncate", action="store_true", help="cut sequences over the model's limit (--long-inputs "
+                   "truncate)")
+    p.add_argument("--long-inputs", choices=("error", "truncate", "chunk"), default=None,
+                   help="a sequence longer than the model: refuse it (default), cut it, or encode it in "
+                   "overlapping windows")
+    p.add_argument("--stride", type=int, default=0, help="--long-inputs chunk: tokens between window starts "
+                   "(default: half the window)")
     p.add_argument("--tokens", action="store_true", help="text: show the tokens")
     p.add_argument("--no-hidden", action="store_true", help="do not return hidden states")
     p.add_argument("--attention", action="store_true", help="return attention weights")

@@ -37,6 +37,7 @@ from client.messages import (
     EncodeOptions,
     EncodeResult,
     Heads,
+    LongInputs,
     ModelInfo,
     Pooling,
     Sequences,
@@ -97,9 +98,11 @@ class _Base:
 
 def _options(pooling: Pooling | None, return_hidden: bool, output_dtype: DTypeName, attention: bool,
              layers: Iterable[int] | None, heads: Heads, attention_dtype: DTypeName, causal: bool,
-             normalize: bool | None, prompt_name: str, truncate: bool, return_tokens: bool) -> EncodeOptions:
+             normalize: bool | None, prompt_name: str, truncate: bool, return_tokens: bool,
+             long_inputs: LongInputs | None, stride: int) -> EncodeOptions:
     return EncodeOptions(pooling, return_hidden, output_dtype, attention, None if layers is None else tuple(layers),
-                         heads, attention_dtype, causal, normalize, prompt_name, truncate, return_tokens)
+                         heads, attention_dtype, causal, normalize, prompt_name, truncate, return_tokens,
+                         long_inputs, stride)
 
 
 def _health_status(response: health_pb2.HealthCheckResponse) -> str:
@@ -162,15 +165,20 @@ class EncoderClient(_Base):
                      output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
                      heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
                      normalize: bool | None = None, prompt_name: str = "", truncate: bool = False,
-                     return_tokens: bool = False, request_id: str = "", timeout: float | None = None) -> EncodeResult:
+                     return_tokens: bool = False, long_inputs: LongInputs | None = None, stride: int = 0,
+                     request_id: str = "", timeout: float | None = None) -> EncodeResult:
         """Encode sequences of token ids ([T] integers), embeddings ([T, d_model] floats) or text (str).
 
         Text needs a model served with a tokenizer (`model_info().text`): `encode(["a sentence", ...])`
         returns its sentence embeddings in `result.pooled` (pooling "model": the model's own, and its
         default normalisation). `normalize` L2-normalises pooled vectors (None: the model's default);
-        `prompt_name` prepends one of the model's prompts; `truncate=True` cuts text over the model's
-        token limit (else INVALID_ARGUMENT naming sequences[i].text); `return_tokens` adds
+        `prompt_name` prepends one of the model's prompts; `truncate=True` cuts sequences over the model's
+        limit (long_inputs="truncate"; else INVALID_ARGUMENT naming sequences[i]...); `return_tokens` adds
         `result.token_ids` and `result.tokens` for text. `result.token_counts`/`truncated` per sequence.
+        `long_inputs`: what to do with a sequence longer than the model (ids, embeddings and text):
+        "error" (the default), "truncate" (keep the first max_length tokens; `result.truncated`) or
+        "chunk" (encode it in overlapping windows starting every `stride` tokens, 0 = half the window;
+        `result.windows`; no attention for such a sequence). None: "truncate" if `truncate`, else "error".
         `pooling`: "mean" (over the real tokens) or "cls" (the first token) adds `result.pooled`
         (default: "model" when the call sends text, else none).
         `return_hidden=False` leaves `result.hidden` empty. `output_dtype` is the wire precision of
@@ -181,7 +189,7 @@ class EncoderClient(_Base):
         Raises `ClientError` subclasses; `InvalidArgument.field` names the offending input.
         """
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
-                           normalize, prompt_name, truncate, return_tokens)
+                           normalize, prompt_name, truncate, return_tokens, long_inputs, stride)
         request = self._request(sequences, options, request_id)
         return EncodeResult.from_proto(await self._encode(request, timeout))
 
@@ -380,10 +388,11 @@ class SyncEncoderClient(_Base):
                output_dtype: DTypeName = "float32", attention: bool = False, layers: Iterable[int] | None = None,
                heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
                normalize: bool | None = None, prompt_name: str = "", truncate: bool = False,
-               return_tokens: bool = False, request_id: str = "", timeout: float | None = None) -> EncodeResult:
+               return_tokens: bool = False, long_inputs: LongInputs | None = None, stride: int = 0,
+               request_id: str = "", timeout: float | None = None) -> EncodeResult:
         """See `EncoderClient.encode`."""
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
-                           normalize, prompt_name, truncate, return_tokens)
+                           normalize, prompt_name, truncate, return_tokens, long_inputs, stride)
         request = self._request(sequences, options, request_id)
         try:
             response = self._stub.Encode(request, timeout=self._deadline(timeout), metadata=self._metadata)

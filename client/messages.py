@@ -18,6 +18,7 @@ from proto.attention.v1.wire import from_tensor, to_tensor
 
 Pooling = Literal["none", "mean", "cls", "model"]
 Heads = Literal["all", "mean"]
+LongInputs = Literal["error", "truncate", "chunk"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
 FloatArray = npt.NDArray[np.float32]
 Sequences = Sequence[npt.ArrayLike | str] | npt.NDArray[np.generic]
@@ -25,11 +26,13 @@ Sequences = Sequence[npt.ArrayLike | str] | npt.NDArray[np.generic]
 a tokenizer), one item per sequence. A 2-D integer array is taken as rows of ids, a 3-D float array as a
 batch of embedding sequences."""
 
-E = TypeVar("E", pb.Pooling, pb.HeadReduction, pb.DType)
+E = TypeVar("E", pb.Pooling, pb.HeadReduction, pb.DType, pb.LongInputs)
 
 POOLING: dict[str, pb.Pooling] = {"none": pb.POOLING_NONE, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,
                                   "model": pb.POOLING_MODEL}
 HEADS: dict[str, pb.HeadReduction] = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
+LONG_INPUTS: dict[str, pb.LongInputs] = {"error": pb.LONG_INPUTS_ERROR, "truncate": pb.LONG_INPUTS_TRUNCATE,
+                                         "chunk": pb.LONG_INPUTS_CHUNK}
 DTYPES: dict[str, pb.DType] = {
     "float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
     "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16,
@@ -46,7 +49,7 @@ def _choice(name: str, value: str, table: dict[str, E]) -> E:
 @dataclass(frozen=True)
 class EncodeOptions:
     """What to compute and return for every sequence of one call (see `EncoderClient.encode`).
-    pooling None: "model" when the call sends text, else "none"."""
+    pooling None: "model" when the call sends text, else "none". long_inputs None: what `truncate` says."""
 
     pooling: Pooling | None = None
     return_hidden: bool = True
@@ -60,6 +63,8 @@ class EncodeOptions:
     prompt_name: str = ""
     truncate: bool = False
     return_tokens: bool = False
+    long_inputs: LongInputs | None = None
+    stride: int = 0  # long_inputs="chunk": tokens between window starts; 0 = the server's default
 
     def to_proto(self, text: bool = False) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
         pooling = self.pooling if self.pooling is not None else "model" if text else "none"
@@ -128,6 +133,8 @@ def build_request(sequences: Sequences, options: EncodeOptions, request_id: str 
     return pb.EncodeRequest(
         request_id=request_id, sequences=[to_sequence(i, s) for i, s in enumerate(items)],
         output=output, attention=attention, causal=options.causal, truncate=options.truncate,
+        long_inputs=_choice("long_inputs", options.long_inputs, LONG_INPUTS) if options.long_inputs is not None
+        else pb.LONG_INPUTS_UNSPECIFIED, chunk_stride=options.stride,
     )
 
 
@@ -169,7 +176,8 @@ class EncodeResult:
     metadata: ResponseMetadata
     request_id: str = ""
     token_counts: list[int] = field(default_factory=list)  # tokens each sequence ran with
-    truncated: list[bool] = field(default_factory=list)  # text cut to the model's limit (truncate=True)
+    truncated: list[bool] = field(default_factory=list)  # cut to the model's limit (long_inputs="truncate")
+    windows: list[int] = field(default_factory=list)  # long_inputs="chunk": windows encoded; 0 = in one piece
     token_ids: list[npt.NDArray[np.int64]] = field(default_factory=list)  # text, with return_tokens
     tokens: list[list[str]] = field(default_factory=list)  # text, with return_tokens
 
@@ -188,6 +196,7 @@ class EncodeResult:
             request_id=response.request_id,
             token_counts=[int(o.token_count) for o in outs],
             truncated=[bool(o.truncated) for o in outs],
+            windows=[int(o.windows) for o in outs],
             token_ids=[np.array(from_tensor(o.token_ids), dtype=np.int64) for o in outs if o.HasField("token_ids")],
             tokens=[list(o.tokens) for o in outs if o.HasField("token_ids")],
         )

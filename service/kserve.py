@@ -14,6 +14,10 @@ tables):
   then zeros (right padding); outputs are padded back to the request's T with zeros;
 - options are request parameters (`pooling`, `datatype`, `attention_layers`, ...); an unknown
   parameter is INVALID_ARGUMENT, so a misspelt one is never silently ignored;
+- rows longer than the model: parameters `long_inputs` ("error", "truncate", "chunk"; unset: what the
+  bool `truncate` says) and `chunk_stride`, as attention.v1's fields (service/chunking.py). Outputs
+  are padded to the longest row that ran (a truncated call's T is at most max_length); the response
+  parameters `truncated` (some row was cut) and `windows` (windows of the chunked rows, summed) say so;
 - ModelStatistics is model-wide (both front doors), read from the service's metrics;
 - ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
   "[StatusCode.X] message" and the stream goes on. Repository, shared-memory, trace and log RPCs
@@ -27,7 +31,7 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -37,12 +41,16 @@ from tritonclient.grpc import service_pb2 as v2
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import float32_to_bfloat16_bits
 from service.batching import Done
+from service.chunking import CHUNK, ERROR, MODES, TRUNCATE, LongInputs, choose, stitch_all
 from service.edge import Edge, parse, public, remaining
 from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, status_of
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_arrays
-from service.validation import MAX_REQUEST_ID, TOKENIZE_INLINE_CHARS, Plan, tokenize, validate_rows
+
+if TYPE_CHECKING:
+    from model.text import Encoded
+from service.validation import MAX_REQUEST_ID, TOKENIZE_INLINE_CHARS, tokenize, validate_rows
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 SERVER_NAME = "attention-service"
@@ -61,7 +69,8 @@ _HEADS = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
 # Request parameters tritonclient or Triton itself may send, accepted and not acted on.
 _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
-                         "timeout", "normalize", "truncate", "prompt_name"}) | _IGNORED
+                         "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
+                         "chunk_stride"}) | _IGNORED
 _INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
 _PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
 
@@ -241,19 +250,18 @@ class KServeServicer:
 
     # -- inference --------------------------------------------------------------------------------
 
-    async def _tokenized(self, texts: list[str], spec: ModelSpec, params: dict[str, Any]) -> list[np.ndarray]:
-        """The `text` rows as token ids (off the event loop for a big call), every text limit checked."""
-        truncate, prompt = params.get("truncate", False), params.get("prompt_name", "")
-        if not isinstance(truncate, bool):
-            raise InvalidInput("parameters.truncate", f"must be a bool; got {_shown(truncate)}")
+    async def _tokenized(self, texts: list[str], spec: ModelSpec, params: dict[str, Any],
+                         long: LongInputs) -> list[Encoded]:
+        """The `text` rows tokenized (off the event loop for a big call), every text limit checked."""
+        prompt = params.get("prompt_name", "")
         if not isinstance(prompt, str):
             raise InvalidInput("parameters.prompt_name", f"must be a string; got {_shown(prompt)}")
         fields = [f"{TEXT}[{i}]" for i in range(len(texts))]
 
-        def run() -> list[np.ndarray]:
-            return [enc.ids for enc in tokenize(texts, spec, self._config, fields=fields, truncate=truncate,
-                                                 prompt_name=prompt, all_field=TEXT,
-                                                 prompt_field="parameters.prompt_name")]
+        def run() -> list[Encoded]:
+            return tokenize(texts, spec, self._config, fields=fields, truncate=long.mode == TRUNCATE,
+                            keep_long=long.mode == CHUNK, prompt_name=prompt, all_field=TEXT,
+                            prompt_field="parameters.prompt_name")
 
         return await asyncio.to_thread(run) if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS else run()
 
@@ -267,8 +275,12 @@ class KServeServicer:
         inputs, texts = _inputs(request)
         outputs = _requested(request, self._config.allow_attention)
         options = _options(params, outputs, text_model=spec.tokenizer is not None)
+        window = spec.tokenizer.settings.max_tokens if texts is not None and spec.tokenizer is not None else 0
+        long = _long_inputs(params, window or spec.max_length)
+        cut_text = False
         if texts is not None:
-            rows, field = await self._tokenized(texts, spec, params), TEXT
+            encoded = await self._tokenized(texts, spec, params, long)
+            rows, field, cut_text = [enc.ids for enc in encoded], TEXT, any(enc.truncated for enc in encoded)
             T = max(len(row) for row in rows)
         else:
             ids = inputs.get(IDS)
@@ -277,14 +289,34 @@ class KServeServicer:
             batch, T = ids.shape
             lengths = _lengths(inputs, batch, T)
             rows, field = [ids[i, : lengths[i]] for i in range(batch)], IDS
+            if long.mode == TRUNCATE:
+                T = min(T, spec.max_length)
         plan = validate_rows(rows, field, *options, spec, self._config, request_id=request.id, padded_to=T,
-                             layers_field="attention_layers")
+                             layers_field="attention_layers", long=long, window=window, attention_field=ATTENTION)
         done = await self._edge.compute(plan.jobs, seconds)
+        results = [d.output for d in done]
+        if plan.chunks:
+            results = stitch_all(plan.chunks, results)
         for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
-            arrays = [a for d in done if (a := _array_of(d.output, name)) is not None]
+            arrays = [a for r in results if (a := _array_of(r, name)) is not None]
             check_arrays(name, arrays, _FLOAT_TYPES[datatype])
         self._last_inference_ms = int(time.time() * 1e3)
-        return _response(request, spec, plan, done, outputs, T)
+        response = _response(request, spec, done, results, outputs, T)
+        if cut_text or plan.truncated:
+            response.parameters["truncated"].bool_param = True
+        if plan.chunks:
+            response.parameters["windows"].int64_param = sum(len(c.starts) for c in plan.chunks if c is not None)
+        return response
+
+
+def _long_inputs(params: dict[str, Any], window: int) -> LongInputs:
+    """`long_inputs`, `truncate` and `chunk_stride` as the call's choice (attention.v1's rules)."""
+    truncate = params.get("truncate", False)
+    if not isinstance(truncate, bool):
+        raise InvalidInput("parameters.truncate", f"must be a bool; got {_shown(truncate)}")
+    mode = _str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None
+    return choose(mode, truncate, _int_param(params, "chunk_stride", 0), mode_field="parameters.long_inputs",
+                  stride_field="parameters.chunk_stride", windows=[window])
 
 
 def _final_flag(request: Any) -> bool:
@@ -532,8 +564,9 @@ def _array_of(output: Output, name: str) -> np.ndarray | None:
     return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
 
 
-def _response(request: Any, spec: ModelSpec, plan: Plan, done: Sequence[Done], outputs: dict[str, str],
-              T: int) -> Any:
+def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequence[Output],
+              outputs: dict[str, str], T: int) -> Any:
+    """`done`: every job's (windows each); `results`: one output per row (chunked rows stitched)."""
     widest = max(done, key=lambda d: d.batch_size)
     response = v2.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
     p = response.parameters
@@ -545,19 +578,21 @@ def _response(request: Any, spec: ModelSpec, plan: Plan, done: Sequence[Done], o
     p["precision"].string_param = spec.precision
     p["device"].string_param = spec.device
     p["fp32_retry"].bool_param = any(d.output.fp32_rerun for d in done)
-    batch, d_model = len(done), spec.d_model
+    batch, d_model = len(results), spec.d_model
     for name, datatype in outputs.items():
         if name == HIDDEN:
             array = np.zeros((batch, T, d_model), np.float32)  # (B, T, D), zeros past each row's length
-            for i, d in enumerate(done):
-                hidden = d.output.hidden
+            for i, r in enumerate(results):
+                hidden = r.hidden
                 assert hidden is not None, "hidden states asked for, none returned. This is a bug."
                 array[i, : hidden.shape[0]] = hidden
         elif name in (POOLED, EMBEDDINGS):
-            array = np.stack([d.output.pooled for d in done])  # (B, D)
+            pooled = [r.pooled for r in results if r.pooled is not None]
+            assert len(pooled) == batch, "pooled vectors asked for, not all returned. This is a bug."
+            array = np.stack(pooled)  # (B, D)
         else:
-            attention = [d.output.attention for d in done]
-            assert all(a is not None for a in attention), "attention asked for, none returned. This is a bug."
+            attention = [r.attention for r in results if r.attention is not None]
+            assert len(attention) == batch, "attention asked for, not all returned. This is a bug."
             L, H = attention[0].shape[:2]
             array = np.zeros((batch, L, H, T, T), np.float32)  # (B, L, H|1, T, T)
             for i, a in enumerate(attention):

@@ -17,6 +17,7 @@ import grpc
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import SERVICE_NAME, fill_tensor
 from service.batching import Done
+from service.chunking import stitch_all
 from service.edge import Edge, parse, public, remaining
 from service.errors import NonFiniteInput, ServiceError, status_of
 from service.jobs import ModelSpec, Output
@@ -86,8 +87,11 @@ class AttentionServicer:
             self._metrics.nonfinite_inputs.inc()
             raise
         done = await self._edge.compute(plan.jobs, seconds)
-        check_representable([d.output for d in done], plan.output_dtype, plan.attention_dtype)
-        return _response(plan, done, spec)
+        outputs = [d.output for d in done]
+        if plan.chunks:
+            outputs = stitch_all(plan.chunks, outputs)
+        check_representable(outputs, plan.output_dtype, plan.attention_dtype)
+        return _response(plan, done, outputs, spec)
 
     def _model_info(self) -> pb.ModelInfo:
         spec, _ = self._edge.serving.require_ready()
@@ -127,7 +131,8 @@ def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
         code=status_of(error), message=public(error.message), field=public(getattr(error, "field", ""))))
 
 
-def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeResponse:
+def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec: ModelSpec) -> pb.EncodeResponse:
+    """`done`: every job's (a chunked sequence's windows each); `outputs`: one per sequence of the call."""
     if len(done) == 1:  # the common call: no scans over the results
         widest = done[0]
         queue_s, compute_s, fp32_retry = widest.queue_s, widest.compute_s, widest.output.fp32_rerun
@@ -141,12 +146,15 @@ def _response(plan: Plan, done: Sequence[Done], spec: ModelSpec) -> pb.EncodeRes
     m.queue_us, m.compute_us = int(queue_s * 1e6), int(compute_s * 1e6)
     m.batch_size, m.padded_length, m.fp32_retry = widest.batch_size, widest.padded_length, fp32_retry
     m.precision, m.device, m.model_name, m.model_version = spec.precision, spec.device, spec.name, spec.version
-    for i, result in enumerate(done):
-        out: Output = result.output
+    sequences = plan.sequences
+    for i, out in enumerate(outputs):
         # Filled in place: building submessages and then the response from them copies every tensor twice.
         text = plan.texts[i] if plan.texts else None
-        seq = response.outputs.add(nonfinite=out.fp32_rerun, token_count=plan.jobs[i].length,
-                                   truncated=text is not None and text.truncated)
+        chunk = plan.chunks[i] if plan.chunks else None
+        seq = response.outputs.add(nonfinite=out.fp32_rerun, token_count=sequences[i].length,
+                                   truncated=(text is not None and text.truncated) or (
+                                       bool(plan.truncated) and plan.truncated[i]),
+                                   windows=len(chunk.starts) if chunk is not None else 0)
         if text is not None and plan.return_tokens:
             fill_tensor(seq.token_ids, text.ids, pb.DTYPE_INT64)
             seq.tokens.extend(text.tokens)

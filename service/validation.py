@@ -5,20 +5,22 @@ INVALID_ARGUMENT and never reaches a batch. Sizes of the response (hidden states
 weights) are computed here, up front, so that nothing is computed only to be refused at send time.
 Text is tokenized here (the batcher only ever sees token ids), with the model's tokenizer: the call's
 characters are counted before tokenizing, its tokens after. The servicer runs `validate` in a worker
-thread when a call carries much text (`TOKENIZE_INLINE_CHARS`), off the event loop.
+thread when a call carries much text (`TOKENIZE_INLINE_CHARS`), off the event loop. A sequence
+longer than the model is refused, cut or planned in windows here, as the call asks (service/chunking.py).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
+from service.chunking import CHUNK, ERROR, REFUSE, TRUNCATE, Chunked, LongInputs, choose, sequences, truncated
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
@@ -36,11 +38,15 @@ _HEAD_REDUCTIONS = frozenset(pb.HeadReduction.values())
 TOKENIZE_INLINE_CHARS = 4096
 _MODEL_POOLING = {"mean": POOL_MEAN, "cls": POOL_CLS}
 _UNSIGNED = {np.dtype(f"{order}i{size}"): np.dtype(f"{order}u{size}") for order in "<>=" for size in (4, 8)}
+_LONG_INPUTS = {pb.LONG_INPUTS_ERROR: ERROR, pb.LONG_INPUTS_TRUNCATE: TRUNCATE, pb.LONG_INPUTS_CHUNK: CHUNK}
+ATTENTION_FIELD = "attention.return_attention"
+_WINDOWED = " (the windows of chunked sequences counted)"
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated call: its jobs (one per sequence, in order) and how to encode the outputs."""
+    """A validated call: its jobs (one per sequence, in order; a chunked sequence's windows in its
+    place) and how to encode the outputs."""
 
     request_id: str
     jobs: list[Job]
@@ -48,10 +54,67 @@ class Plan:
     attention_dtype: int
     texts: tuple[Encoded | None, ...] = ()  # per sequence: how its text was tokenized (None: not text)
     return_tokens: bool = False
+    chunks: tuple[Chunked | None, ...] = ()  # per sequence, when the call chunks one: its windows (None: whole)
+    truncated: tuple[bool, ...] = ()  # per sequence, when the call cut ids or embeddings: whether it did
 
     @property
     def tokens(self) -> int:
+        """Tokens computed: after chunking, the windows' lengths summed."""
         return sum(job.length for job in self.jobs)
+
+    @property
+    def sequences(self) -> list[Job]:
+        """One job per sequence of the call, as asked (a chunked sequence whole, not its windows)."""
+        return sequences(self.jobs, self.chunks) if self.chunks else self.jobs
+
+
+class _Layout:
+    """A call's jobs once one of its sequences is longer than the model (the call truncates or chunks):
+    each sequence fitted to the model's length as the call asks. Until then validation only appends
+    jobs, so a call without long sequences pays nothing for this."""
+
+    def __init__(self, long: LongInputs, attention_field: str, field: Callable[[int], str], jobs: list[Job]) -> None:
+        self.long, self.attention_field, self.field = long, attention_field, field  # field: sequence i's name
+        self.jobs = jobs  # those so far: all within the limit
+        self.chunks: list[Chunked | None] = [None] * len(jobs)
+        self.cut = [False] * len(jobs)
+
+    def add(self, job: Job, window: int) -> None:
+        """`job`, or its cut or windows."""
+        chunk, cut = None, False
+        if job.length <= window:
+            self.jobs.append(job)
+        elif self.long.mode == TRUNCATE:
+            self.jobs.append(truncated(job, window))
+            cut = True
+        else:
+            assert self.long.mode == CHUNK, "a long sequence left for the layout. This is a bug."
+            if job.attn_layers:
+                raise InvalidInput(self.attention_field, "attention weights are not available for a chunked "
+                                   f"sequence: {self.field(len(self.chunks))} has {job.length} tokens, over "
+                                   f"{window}, so it is encoded in windows; ask without attention, or send it "
+                                   "within the limit")
+            chunk = Chunked.plan(job, window, self.long.step(window))
+            self.jobs.extend(chunk.jobs())
+        self.chunks.append(chunk)
+        self.cut.append(cut)
+
+    def fields(self) -> dict[str, Any]:
+        """Plan's chunks and truncated: empty unless some sequence was chunked (cut)."""
+        return {"chunks": tuple(self.chunks) if any(c is not None for c in self.chunks) else (),
+                "truncated": tuple(self.cut) if any(self.cut) else ()}
+
+
+def _fit(layout: _Layout | None, jobs: list[Job], job: Job, window: int, long: LongInputs, attention_field: str,
+         field: Callable[[int], str]) -> _Layout | None:
+    """Add `job` to the call: appended while every sequence fits, else through a `_Layout` (returned)."""
+    if layout is None:
+        if job.length <= window:
+            jobs.append(job)
+            return None
+        layout = _Layout(long, attention_field, field, jobs)
+    layout.add(job, window)
+    return layout
 
 
 def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> Plan:
@@ -65,7 +128,8 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
     attention_dtype = _float_dtype("attention.dtype", att.dtype)
     if out.pooling not in _POOLINGS:
         raise InvalidInput("output.pooling", f"unknown value {out.pooling}")
-    texts = _tokenize(request, spec, config)
+    long = _long_inputs(request, spec)
+    texts = _tokenize(request, spec, config, long)
     pooling, normalize = _pooling(out, spec)
     if att.heads not in _HEAD_REDUCTIONS:
         raise InvalidInput("attention.heads", f"unknown value {att.heads}")
@@ -74,18 +138,31 @@ def validate(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) 
     if not return_hidden and out.pooling == pb.POOLING_NONE and not layers:
         raise InvalidInput("output", "nothing to return: hidden states off, no pooling, no attention")
 
-    jobs = []
+    jobs: list[Job] = []
+    layout = None
+    text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
     for i, sequence in enumerate(request.sequences):
         encoded = texts[i] if texts else None
-        token_ids, embeddings = (encoded.ids, None) if encoded is not None else _decode_input(i, sequence, spec)
-        jobs.append(Job(
+        token_ids: np.ndarray | None
+        if encoded is not None:
+            token_ids, embeddings, window = encoded.ids, None, text_window
+        else:
+            (token_ids, embeddings), window = _decode_input(i, sequence, spec, long.mode), spec.max_length
+        job = Job(
             token_ids=token_ids, embeddings=embeddings, causal=request.causal, attn_layers=layers,
             heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
             normalize=normalize,
-        ))
-    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype, texts, out.return_tokens)
+        )
+        if layout is None and job.length <= window:  # the common case, inline
+            jobs.append(job)
+        else:
+            layout = _fit(layout, jobs, job, window, long, ATTENTION_FIELD,
+                          lambda i: f"sequences[{i}].{request.sequences[i].WhichOneof('input')}")
+    plan = Plan(request.request_id, jobs, output_dtype, attention_dtype, texts, out.return_tokens,
+                **(layout.fields() if layout is not None else {}))
     if plan.tokens > config.max_tokens_per_call:
-        raise InvalidInput("sequences", f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
+        raise InvalidInput("sequences", f"{plan.tokens} tokens in all{_WINDOWED * bool(plan.chunks)}; at most "
+                           f"{config.max_tokens_per_call} per call")
     _check_sizes(plan, spec, config)
     return plan
 
@@ -111,7 +188,22 @@ def _pooling(out: pb.OutputOptions, spec: ModelSpec) -> tuple[int, bool]:
     return pooling, settings is not None and settings.normalize and pooling != POOL_NONE
 
 
-def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> tuple[Encoded | None, ...]:
+def _long_inputs(request: pb.EncodeRequest, spec: ModelSpec) -> LongInputs:
+    """The call's choice for sequences longer than the model (EncodeRequest.long_inputs, truncate, chunk_stride)."""
+    if not (request.long_inputs or request.truncate or request.chunk_stride):
+        return REFUSE  # the common call: nothing to look at
+    if request.long_inputs and request.long_inputs not in _LONG_INPUTS:
+        raise InvalidInput("long_inputs", f"unknown value {request.long_inputs}")
+    kinds = {s.WhichOneof("input") for s in request.sequences}
+    windows = [spec.max_length] if kinds - {"text"} else []
+    if "text" in kinds and spec.tokenizer is not None:
+        windows.append(spec.tokenizer.settings.max_tokens)
+    return choose(_LONG_INPUTS.get(request.long_inputs), request.truncate, request.chunk_stride,
+                  mode_field="long_inputs", stride_field="chunk_stride", windows=windows)
+
+
+def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig,
+              long: LongInputs) -> tuple[Encoded | None, ...]:
     """The call's texts tokenized, per sequence (None where a sequence is not text); () without text."""
     kinds = [s.WhichOneof("input") for s in request.sequences]
     if "text" not in kinds:
@@ -120,7 +212,8 @@ def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig)
         return ()
     where = [i for i, kind in enumerate(kinds) if kind == "text"]
     encoded = tokenize([request.sequences[i].text for i in where], spec, config, fields=[
-        f"sequences[{i}].text" for i in where], truncate=request.truncate, prompt_name=request.output.prompt_name)
+        f"sequences[{i}].text" for i in where], truncate=long.mode == TRUNCATE, keep_long=long.mode == CHUNK,
+        prompt_name=request.output.prompt_name)
     out: list[Encoded | None] = [None] * len(kinds)
     for i, enc in zip(where, encoded, strict=True):
         out[i] = enc
@@ -129,10 +222,11 @@ def _tokenize(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig)
 
 def tokenize(texts: Sequence[str], spec: ModelSpec, config: ServiceConfig, *, fields: Sequence[str], truncate: bool,
              prompt_name: str = "", all_field: str = "sequences",
-             prompt_field: str = "output.prompt_name") -> list[Encoded]:
+             prompt_field: str = "output.prompt_name", keep_long: bool = False) -> list[Encoded]:
     """`texts` -> token ids with the model's tokenizer, every limit checked: the characters of the call
-    before tokenizing, each text's tokens (over the limit: refused, or cut with `truncate`) and the ids
-    against the vocabulary after. `fields` name each text in errors; the front doors share this."""
+    before tokenizing, each text's tokens (over the limit: refused, cut with `truncate`, or kept whole
+    with `keep_long`, to be chunked) and the ids against the vocabulary after. `fields` name each text
+    in errors; the front doors share this."""
     tokenizer = spec.tokenizer
     if tokenizer is None:
         raise InvalidInput(fields[0], f"model {spec.name} takes no text (it has no tokenizer); send token ids")
@@ -147,9 +241,9 @@ def tokenize(texts: Sequence[str], spec: ModelSpec, config: ServiceConfig, *, fi
     encoded = tokenizer.encode(texts, truncate=truncate, prompt=prompt)
     limit = tokenizer.settings.max_tokens
     for field, enc in zip(fields, encoded, strict=True):
-        if len(enc.ids) > limit:
+        if len(enc.ids) > limit and not keep_long:
             raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's "
-                               f"limit of {limit}; shorten it, or set truncate to cut it")
+                               f"limit of {limit}; shorten it, or set truncate to cut it (or chunk it)")
         if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
             raise InvalidInput(field, f"the tokenizer gave id {int(enc.ids.max())}, outside the model's "
                                f"vocabulary of {spec.vocab_size}")
@@ -158,11 +252,13 @@ def tokenize(texts: Sequence[str], spec: ModelSpec, config: ServiceConfig, *, fi
 
 def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions, att: pb.AttentionOptions,
                   spec: ModelSpec, config: ServiceConfig, *, request_id: str = "", padded_to: int = 0,
-                  layers_field: str = "attention.layers") -> Plan:
+                  layers_field: str = "attention.layers", long: LongInputs = REFUSE, window: int = 0,
+                  attention_field: str = ATTENTION_FIELD) -> Plan:
     """Token-id rows (int32/int64 [T_i] each, already cut to their real length) -> a `Plan`, with the
     checks `validate` makes. For callers that decode their own wire format (service/kserve.py):
     `field` names the tensor in errors (`field[i, j]`), and `padded_to` sizes a response that pads
-    every row back to the request's length."""
+    every row back to the request's length. Rows longer than `window` (0: max_length) are refused,
+    cut or chunked as `long` says."""
     n = len(rows)
     if not 1 <= n <= config.max_sequences_per_call:
         raise InvalidInput(field, f"must hold 1..{config.max_sequences_per_call} sequences; got {n}")
@@ -171,18 +267,24 @@ def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions,
     pooling, normalize = _pooling(out, spec)
     layers = _attention_layers(att, spec, config, layers_field)
     return_hidden = out.return_hidden if out.HasField("return_hidden") else True
-    jobs = []
+    window = window or spec.max_length
+    jobs: list[Job] = []
+    layout = None
     for i, row in enumerate(rows):
-        if not 1 <= len(row) <= spec.max_length:
-            raise InvalidInput(f"{field}[{i}]", f"length must be 1..{spec.max_length}; got {len(row)}")
+        if len(row) < 1 or (len(row) > window and long.mode == ERROR):
+            raise InvalidInput(f"{field}[{i}]",
+                               f"length must be 1..{window}; got {len(row)}" + _HINT * (len(row) > window))
         if (j := _first_out_of_vocab(row, spec.vocab_size)) is not None:
             raise InvalidInput(f"{field}[{i}, {j}]", f"id {int(row[j])} not in [0, {spec.vocab_size})")
-        jobs.append(Job(token_ids=row.astype(np.int64, copy=False), embeddings=None, attn_layers=layers,
-                        heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden,
-                        normalize=normalize))
-    plan = Plan(request_id, jobs, _float_dtype("datatype", out.dtype), _float_dtype("datatype", att.dtype))
+        layout = _fit(layout, jobs, Job(
+            token_ids=row.astype(np.int64, copy=False), embeddings=None, attn_layers=layers,
+            heads_mean=att.heads == pb.HEADS_MEAN, pooling=pooling, return_hidden=return_hidden, normalize=normalize,
+        ), window, long, attention_field, lambda i: f"{field}[{i}]")
+    plan = Plan(request_id, jobs, _float_dtype("datatype", out.dtype), _float_dtype("datatype", att.dtype),
+                **(layout.fields() if layout is not None else {}))
     if plan.tokens > config.max_tokens_per_call:
-        raise InvalidInput(field, f"{plan.tokens} tokens in all; at most {config.max_tokens_per_call} per call")
+        raise InvalidInput(field, f"{plan.tokens} tokens in all{_WINDOWED * bool(plan.chunks)}; at most "
+                           f"{config.max_tokens_per_call} per call")
     _check_sizes(plan, spec, config, padded_to or None)
     return plan
 
@@ -215,7 +317,8 @@ def _attention_layers(att: pb.AttentionOptions, spec: ModelSpec, config: Service
     return tuple(layers)
 
 
-def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.ndarray | None, np.ndarray | None]:
+def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec,
+                  long_mode: str = ERROR) -> tuple[np.ndarray | None, np.ndarray | None]:
     kind = sequence.WhichOneof("input")
     if kind is None:
         raise InvalidInput(f"sequences[{i}]", "one of token_ids or embeddings is required")
@@ -231,8 +334,9 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
         want = "[T]" if want_rank == 1 else f"[T, {spec.d_model}]"
         raise InvalidInput(field, f"shape must be {want}; got {list(shape)}")
     length = shape[0]
-    if not 1 <= length <= spec.max_length:
-        raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}")
+    if length < 1 or (length > spec.max_length and long_mode == ERROR):
+        raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}"
+                           + _HINT * (length > spec.max_length))
     if kind == "embeddings" and shape[1] != spec.d_model:
         raise InvalidInput(field, f"shape must be [T, {spec.d_model}]; got {list(shape)}")
     try:
@@ -254,6 +358,9 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> tuple[np.nd
     return None, embeddings
 
 
+_HINT = " (or set long_inputs to truncate or chunk it)"
+
+
 def _first_out_of_vocab(ids: np.ndarray, vocab_size: int) -> int | None:
     """The index of the first id outside [0, vocab_size), or None."""
     # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
@@ -268,8 +375,8 @@ def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, padded_to: 
     first = plan.jobs[0]
     heads = 1 if first.heads_mean else spec.n_heads
     attention = 0
-    if any(job.attn_layers for job in plan.jobs):
-        attention = sum(len(job.attn_layers) * heads * (padded_to or job.length)**2 for job in plan.jobs)
+    if any(job.attn_layers for job in plan.sequences):
+        attention = sum(len(job.attn_layers) * heads * (padded_to or job.length)**2 for job in plan.sequences)
         attention *= ITEMSIZE[plan.attention_dtype]
     if attention > config.max_attention_bytes:
         raise InvalidInput(
@@ -281,8 +388,8 @@ def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, padded_to: 
         total = response_bytes(plan, spec)
     else:  # a KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope
         per_value = ITEMSIZE[plan.output_dtype]
-        hidden = sum(padded_to for job in plan.jobs if job.return_hidden) * spec.d_model * per_value
-        pooled = sum(1 for job in plan.jobs if job.pooling) * spec.d_model * per_value
+        hidden = sum(padded_to for job in plan.sequences if job.return_hidden) * spec.d_model * per_value
+        pooled = sum(1 for job in plan.sequences if job.pooling) * spec.d_model * per_value
         total = hidden + pooled + attention + 1024 + len(plan.request_id)  # + names, shapes, parameters
     if total > config.max_message_bytes:
         raise InvalidInput(
@@ -297,7 +404,7 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> int:
     out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
     D = spec.d_model
     total = _field(len(plan.request_id.encode()))
-    for job in plan.jobs:
+    for job in plan.sequences:
         T = job.length
         body = 2  # nonfinite = true
         if job.return_hidden:
@@ -308,6 +415,8 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> int:
             heads = 1 if job.heads_mean else spec.n_heads
             body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)
         total += _field(body)
+    if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
+        total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)
     return total + _metadata_field(spec.precision, spec.device, spec.name, spec.version)
 
 

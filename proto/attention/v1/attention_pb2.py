@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/attention/v1/attention.proto\x12\x0c\x61ttention.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.attention.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"z\n\x08Sequence\x12)\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.attention.v1.TensorH\x00\x12*\n\nembeddings\x18\x02 \x01(\x0b\x32\x14.attention.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\x07\n\x05input\"\xdb\x01\n\rOutputOptions\x12\x1a\n\rreturn_hidden\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12&\n\x07pooling\x18\x02 \x01(\x0e\x32\x15.attention.v1.Pooling\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.attention.v1.DType\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x05 \x01(\t\x12\x15\n\rreturn_tokens\x18\x06 \x01(\x08\x42\x10\n\x0e_return_hiddenB\x0c\n\n_normalize\"\x8c\x01\n\x10\x41ttentionOptions\x12\x18\n\x10return_attention\x18\x01 \x01(\x08\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12*\n\x05heads\x18\x03 \x01(\x0e\x32\x1b.attention.v1.HeadReduction\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.attention.v1.DType\"\xd0\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\tsequences\x18\x02 \x03(\x0b\x32\x16.attention.v1.Sequence\x12+\n\x06output\x18\x03 \x01(\x0b\x32\x1b.attention.v1.OutputOptions\x12\x31\n\tattention\x18\x04 \x01(\x0b\x32\x1e.attention.v1.AttentionOptions\x12\x0e\n\x06\x63\x61usal\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\"\xc5\x01\n\x10ResponseMetadata\x12\x10\n\x08queue_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x15\n\rpadded_length\x18\x04 \x01(\x05\x12\x11\n\tprecision\x18\x05 \x01(\t\x12\x12\n\nfp32_retry\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x15\n\rmodel_version\x18\t \x01(\t\"\xf9\x01\n\x0eSequenceOutput\x12$\n\x06hidden\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12$\n\x06pooled\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\'\n\tattention\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x11\n\tnonfinite\x18\x04 \x01(\x08\x12\x13\n\x0btoken_count\x18\x05 \x01(\x05\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\'\n\ttoken_ids\x18\x07 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x0e\n\x06tokens\x18\x08 \x03(\t\";\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"\xaf\x01\n\x0e\x45ncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.attention.v1.SequenceOutput\x12\x30\n\x08metadata\x18\x03 \x01(\x0b\x32\x1e.attention.v1.ResponseMetadata\x12(\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.attention.v1.StreamError\"\x15\n\x13GetModelInfoRequest\"}\n\x06Limits\x12\x1e\n\x16max_sequences_per_call\x18\x01 \x01(\x05\x12\x1b\n\x13max_tokens_per_call\x18\x02 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13max_attention_bytes\x18\x04 \x01(\x03\"\xcb\x02\n\x08TextInfo\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x17\n\x0ftruncation_side\x18\x03 \x01(\t\x12.\n\x0f\x64\x65\x66\x61ult_pooling\x18\x04 \x01(\x0e\x32\x15.attention.v1.Pooling\x12\x19\n\x11\x64\x65\x66\x61ult_normalize\x18\x05 \x01(\x08\x12\x34\n\x07prompts\x18\x06 \x03(\x0b\x32#.attention.v1.TextInfo.PromptsEntry\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x07 \x01(\t\x12\x1a\n\x12tokenizer_checksum\x18\x08 \x01(\t\x12\x16\n\x0emax_text_chars\x18\t \x01(\x03\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe3\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x05\x12\x0f\n\x07n_heads\x18\x05 \x01(\x05\x12\x10\n\x08n_layers\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x12\n\nmax_length\x18\x08 \x01(\x05\x12\x12\n\npositional\x18\t \x01(\t\x12\x11\n\tprecision\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12$\n\x06limits\x18\x0c \x01(\x0b\x32\x14.attention.v1.Limits\x12$\n\x04text\x18\r \x01(\x0b\x32\x16.attention.v1.TextInfo\x12\x17\n\x0f\x61ttention_scale\x18\x0e \x01(\x01\x12\x16\n\x0estandard_scale\x18\x0f \x01(\x08\x12\x15\n\rrelative_bias\x18\x10 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*Q\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x11\n\rPOOLING_MODEL\x10\x03*.\n\rHeadReduction\x12\r\n\tHEADS_ALL\x10\x00\x12\x0e\n\nHEADS_MEAN\x10\x01\x32\xf2\x01\n\x10\x41ttentionService\x12\x43\n\x06\x45ncode\x12\x1b.attention.v1.EncodeRequest\x1a\x1c.attention.v1.EncodeResponse\x12M\n\x0c\x45ncodeStream\x12\x1b.attention.v1.EncodeRequest\x1a\x1c.attention.v1.EncodeResponse(\x01\x30\x01\x12J\n\x0cGetModelInfo\x12!.attention.v1.GetModelInfoRequest\x1a\x17.attention.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"proto/attention/v1/attention.proto\x12\x0c\x61ttention.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.attention.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"z\n\x08Sequence\x12)\n\ttoken_ids\x18\x01 \x01(\x0b\x32\x14.attention.v1.TensorH\x00\x12*\n\nembeddings\x18\x02 \x01(\x0b\x32\x14.attention.v1.TensorH\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x42\x07\n\x05input\"\xdb\x01\n\rOutputOptions\x12\x1a\n\rreturn_hidden\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12&\n\x07pooling\x18\x02 \x01(\x0e\x32\x15.attention.v1.Pooling\x12\"\n\x05\x64type\x18\x03 \x01(\x0e\x32\x13.attention.v1.DType\x12\x16\n\tnormalize\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x05 \x01(\t\x12\x15\n\rreturn_tokens\x18\x06 \x01(\x08\x42\x10\n\x0e_return_hiddenB\x0c\n\n_normalize\"\x8c\x01\n\x10\x41ttentionOptions\x12\x18\n\x10return_attention\x18\x01 \x01(\x08\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12*\n\x05heads\x18\x03 \x01(\x0e\x32\x1b.attention.v1.HeadReduction\x12\"\n\x05\x64type\x18\x04 \x01(\x0e\x32\x13.attention.v1.DType\"\x95\x02\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\tsequences\x18\x02 \x03(\x0b\x32\x16.attention.v1.Sequence\x12+\n\x06output\x18\x03 \x01(\x0b\x32\x1b.attention.v1.OutputOptions\x12\x31\n\tattention\x18\x04 \x01(\x0b\x32\x1e.attention.v1.AttentionOptions\x12\x0e\n\x06\x63\x61usal\x18\x05 \x01(\x08\x12\x10\n\x08truncate\x18\x06 \x01(\x08\x12-\n\x0blong_inputs\x18\x07 \x01(\x0e\x32\x18.attention.v1.LongInputs\x12\x14\n\x0c\x63hunk_stride\x18\x08 \x01(\x05\"\xc5\x01\n\x10ResponseMetadata\x12\x10\n\x08queue_us\x18\x01 \x01(\x03\x12\x12\n\ncompute_us\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x05\x12\x15\n\rpadded_length\x18\x04 \x01(\x05\x12\x11\n\tprecision\x18\x05 \x01(\t\x12\x12\n\nfp32_retry\x18\x06 \x01(\x08\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x12\n\nmodel_name\x18\x08 \x01(\t\x12\x15\n\rmodel_version\x18\t \x01(\t\"\x8a\x02\n\x0eSequenceOutput\x12$\n\x06hidden\x18\x01 \x01(\x0b\x32\x14.attention.v1.Tensor\x12$\n\x06pooled\x18\x02 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\'\n\tattention\x18\x03 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x11\n\tnonfinite\x18\x04 \x01(\x08\x12\x13\n\x0btoken_count\x18\x05 \x01(\x05\x12\x11\n\ttruncated\x18\x06 \x01(\x08\x12\'\n\ttoken_ids\x18\x07 \x01(\x0b\x32\x14.attention.v1.Tensor\x12\x0e\n\x06tokens\x18\x08 \x03(\t\x12\x0f\n\x07windows\x18\t \x01(\x05\";\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\"\xaf\x01\n\x0e\x45ncodeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07outputs\x18\x02 \x03(\x0b\x32\x1c.attention.v1.SequenceOutput\x12\x30\n\x08metadata\x18\x03 \x01(\x0b\x32\x1e.attention.v1.ResponseMetadata\x12(\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x19.attention.v1.StreamError\"\x15\n\x13GetModelInfoRequest\"}\n\x06Limits\x12\x1e\n\x16max_sequences_per_call\x18\x01 \x01(\x05\x12\x1b\n\x13max_tokens_per_call\x18\x02 \x01(\x03\x12\x19\n\x11max_message_bytes\x18\x03 \x01(\x03\x12\x1b\n\x13max_attention_bytes\x18\x04 \x01(\x03\"\xcb\x02\n\x08TextInfo\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x17\n\x0ftruncation_side\x18\x03 \x01(\t\x12.\n\x0f\x64\x65\x66\x61ult_pooling\x18\x04 \x01(\x0e\x32\x15.attention.v1.Pooling\x12\x19\n\x11\x64\x65\x66\x61ult_normalize\x18\x05 \x01(\x08\x12\x34\n\x07prompts\x18\x06 \x03(\x0b\x32#.attention.v1.TextInfo.PromptsEntry\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x07 \x01(\t\x12\x1a\n\x12tokenizer_checksum\x18\x08 \x01(\t\x12\x16\n\x0emax_text_chars\x18\t \x01(\x03\x1a.\n\x0cPromptsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe3\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x0f\n\x07\x64_model\x18\x04 \x01(\x05\x12\x0f\n\x07n_heads\x18\x05 \x01(\x05\x12\x10\n\x08n_layers\x18\x06 \x01(\x05\x12\x12\n\nvocab_size\x18\x07 \x01(\x05\x12\x12\n\nmax_length\x18\x08 \x01(\x05\x12\x12\n\npositional\x18\t \x01(\t\x12\x11\n\tprecision\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12$\n\x06limits\x18\x0c \x01(\x0b\x32\x14.attention.v1.Limits\x12$\n\x04text\x18\r \x01(\x0b\x32\x16.attention.v1.TextInfo\x12\x17\n\x0f\x61ttention_scale\x18\x0e \x01(\x01\x12\x16\n\x0estandard_scale\x18\x0f \x01(\x08\x12\x15\n\rrelative_bias\x18\x10 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT32\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*Q\n\x07Pooling\x12\x10\n\x0cPOOLING_NONE\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x11\n\rPOOLING_MODEL\x10\x03*.\n\rHeadReduction\x12\r\n\tHEADS_ALL\x10\x00\x12\x0e\n\nHEADS_MEAN\x10\x01*q\n\nLongInputs\x12\x1b\n\x17LONG_INPUTS_UNSPECIFIED\x10\x00\x12\x15\n\x11LONG_INPUTS_ERROR\x10\x01\x12\x18\n\x14LONG_INPUTS_TRUNCATE\x10\x02\x12\x15\n\x11LONG_INPUTS_CHUNK\x10\x03\x32\xf2\x01\n\x10\x41ttentionService\x12\x43\n\x06\x45ncode\x12\x1b.attention.v1.EncodeRequest\x1a\x1c.attention.v1.EncodeResponse\x12M\n\x0c\x45ncodeStream\x12\x1b.attention.v1.EncodeRequest\x1a\x1c.attention.v1.EncodeResponse(\x01\x30\x01\x12J\n\x0cGetModelInfo\x12!.attention.v1.GetModelInfoRequest\x1a\x17.attention.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TEXTINFO_PROMPTSENTRY']._loaded_options = None
   _globals['_TEXTINFO_PROMPTSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2360
-  _globals['_DTYPE']._serialized_end=2482
-  _globals['_POOLING']._serialized_start=2484
-  _globals['_POOLING']._serialized_end=2565
-  _globals['_HEADREDUCTION']._serialized_start=2567
-  _globals['_HEADREDUCTION']._serialized_end=2613
+  _globals['_DTYPE']._serialized_start=2446
+  _globals['_DTYPE']._serialized_end=2568
+  _globals['_POOLING']._serialized_start=2570
+  _globals['_POOLING']._serialized_end=2651
+  _globals['_HEADREDUCTION']._serialized_start=2653
+  _globals['_HEADREDUCTION']._serialized_end=2699
+  _globals['_LONGINPUTS']._serialized_start=2701
+  _globals['_LONGINPUTS']._serialized_end=2814
   _globals['_TENSOR']._serialized_start=52
   _globals['_TENSOR']._serialized_end=125
   _globals['_SEQUENCE']._serialized_start=127
@@ -48,25 +50,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTENTIONOPTIONS']._serialized_start=474
   _globals['_ATTENTIONOPTIONS']._serialized_end=614
   _globals['_ENCODEREQUEST']._serialized_start=617
-  _globals['_ENCODEREQUEST']._serialized_end=825
-  _globals['_RESPONSEMETADATA']._serialized_start=828
-  _globals['_RESPONSEMETADATA']._serialized_end=1025
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1028
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1277
-  _globals['_STREAMERROR']._serialized_start=1279
-  _globals['_STREAMERROR']._serialized_end=1338
-  _globals['_ENCODERESPONSE']._serialized_start=1341
-  _globals['_ENCODERESPONSE']._serialized_end=1516
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1518
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1539
-  _globals['_LIMITS']._serialized_start=1541
-  _globals['_LIMITS']._serialized_end=1666
-  _globals['_TEXTINFO']._serialized_start=1669
-  _globals['_TEXTINFO']._serialized_end=2000
-  _globals['_TEXTINFO_PROMPTSENTRY']._serialized_start=1954
-  _globals['_TEXTINFO_PROMPTSENTRY']._serialized_end=2000
-  _globals['_MODELINFO']._serialized_start=2003
-  _globals['_MODELINFO']._serialized_end=2358
-  _globals['_ATTENTIONSERVICE']._serialized_start=2616
-  _globals['_ATTENTIONSERVICE']._serialized_end=2858
+  _globals['_ENCODEREQUEST']._serialized_end=894
+  _globals['_RESPONSEMETADATA']._serialized_start=897
+  _globals['_RESPONSEMETADATA']._serialized_end=1094
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1097
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1363
+  _globals['_STREAMERROR']._serialized_start=1365
+  _globals['_STREAMERROR']._serialized_end=1424
+  _globals['_ENCODERESPONSE']._serialized_start=1427
+  _globals['_ENCODERESPONSE']._serialized_end=1602
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1604
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1625
+  _globals['_LIMITS']._serialized_start=1627
+  _globals['_LIMITS']._serialized_end=1752
+  _globals['_TEXTINFO']._serialized_start=1755
+  _globals['_TEXTINFO']._serialized_end=2086
+  _globals['_TEXTINFO_PROMPTSENTRY']._serialized_start=2040
+  _globals['_TEXTINFO_PROMPTSENTRY']._serialized_end=2086
+  _globals['_MODELINFO']._serialized_start=2089
+  _globals['_MODELINFO']._serialized_end=2444
+  _globals['_ATTENTIONSERVICE']._serialized_start=2817
+  _globals['_ATTENTIONSERVICE']._serialized_end=3059
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,13 @@ class HeadReduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HEADS_ALL: _ClassVar[HeadReduction]
     HEADS_MEAN: _ClassVar[HeadReduction]
+
+class LongInputs(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LONG_INPUTS_UNSPECIFIED: _ClassVar[LongInputs]
+    LONG_INPUTS_ERROR: _ClassVar[LongInputs]
+    LONG_INPUTS_TRUNCATE: _ClassVar[LongInputs]
+    LONG_INPUTS_CHUNK: _ClassVar[LongInputs]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
@@ -39,6 +46,10 @@ POOLING_CLS: Pooling
 POOLING_MODEL: Pooling
 HEADS_ALL: HeadReduction
 HEADS_MEAN: HeadReduction
+LONG_INPUTS_UNSPECIFIED: LongInputs
+LONG_INPUTS_ERROR: LongInputs
+LONG_INPUTS_TRUNCATE: LongInputs
+LONG_INPUTS_CHUNK: LongInputs
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
@@ -89,20 +100,24 @@ class AttentionOptions(_message.Message):
     def __init__(self, return_attention: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ..., heads: _Optional[_Union[HeadReduction, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "output", "attention", "causal", "truncate")
+    __slots__ = ("request_id", "sequences", "output", "attention", "causal", "truncate", "long_inputs", "chunk_stride")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     CAUSAL_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    LONG_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     output: OutputOptions
     attention: AttentionOptions
     causal: bool
     truncate: bool
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ..., truncate: _Optional[bool] = ...) -> None: ...
+    long_inputs: LongInputs
+    chunk_stride: int
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ..., truncate: _Optional[bool] = ..., long_inputs: _Optional[_Union[LongInputs, str]] = ..., chunk_stride: _Optional[int] = ...) -> None: ...
 
 class ResponseMetadata(_message.Message):
     __slots__ = ("queue_us", "compute_us", "batch_size", "padded_length", "precision", "fp32_retry", "device", "model_name", "model_version")
@@ -127,7 +142,7 @@ class ResponseMetadata(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., padded_length: _Optional[int] = ..., precision: _Optional[str] = ..., fp32_retry: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens")
+    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +151,7 @@ class SequenceOutput(_message.Message):
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     pooled: Tensor
     attention: Tensor
@@ -144,7 +160,8 @@ class SequenceOutput(_message.Message):
     truncated: bool
     token_ids: Tensor
     tokens: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ...) -> None: ...
+    windows: int
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "field")
