@@ -187,6 +187,14 @@ def summary_table(results: dict[str, Any], args: argparse.Namespace) -> list[str
         rows.append((f"service T={T}, c64, {args.loadgen_procs} load procs", result,
                      f">= {SERVICE_TARGET} of ceiling" if last else "info",
                      verdict(None if ratio is None else ratio >= SERVICE_TARGET) if last else "-"))
+    edge_runs = {(r["edges"], r["concurrency"]): r for r in service.get("runs", [])
+                 if "edges" in r and "sequences_per_s" in r}
+    for c in (64, 256):  # README "More cores for the edge": N edge processes against one process
+        one, many = edge_runs.get((0, c)), edge_runs.get((args.edge_processes, c))
+        if one is not None and many is not None:
+            rows.append((f"service T={lengths[0]}, c{c}, {args.edge_processes} edge procs",
+                         f"{many['sequences_per_s']:.1f} seq/s = {many['sequences_per_s'] / one['sequences_per_s']:.2f}"
+                         f"x one process ({one['sequences_per_s']:.1f})", "info", "-"))
     rows.append(("phases", ", ".join(f"{k} {v['status']} {v.get('seconds', 0):.0f} s" for k, v in phases.items()),
                  "all ok", verdict(all(v["status"] == "ok" for v in phases.values()))))
     rows += [(f"{k} phase", cell(v["error"]), "", "") for k, v in phases.items() if v.get("error")]
@@ -250,9 +258,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="load-generator processes (default: a third of the cores, at most 5)")
     parser.add_argument("--duration", type=float, default=None, help="measured seconds per load run (5, quick 2)")
     parser.add_argument("--warmup", type=float, default=None, help="warm-up seconds per load run (2, quick 1)")
+    parser.add_argument("--edge-processes", type=int, default=None,
+                        help="also measure the service with this many edge processes against one process, at c64 "
+                             "and c256 (default 8 on cuda, 0 = skip; the cpu smoke test skips it)")
     parser.add_argument("--preset", choices=tuple(PRESETS), default="large", help=argparse.SUPPRESS)  # tiny: tests
     args = parser.parse_args(argv)
     args.budget_s = args.budget_s or (240.0 if args.quick else 450.0)
+    if args.edge_processes is None:
+        args.edge_processes = 8 if args.device == "cuda" else 0
     args.max_batch_tokens = args.max_batch_tokens or (16384 if args.device == "cuda" else 2048)
     args.duration = args.duration or (2.0 if args.quick else 5.0)
     args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)

@@ -31,8 +31,8 @@ def _load_worker(queue: Any, barrier: Any, kwargs: dict[str, Any]) -> None:
         queue.put({"error": f"{type(e).__name__}: {e}"})
 
 
-def drive(target: str, concurrency: int, procs: int, length: int, output: str, args: argparse.Namespace
-          ) -> dict[str, Any]:
+def drive(target: str, concurrency: int, procs: int, length: int, output: str, args: argparse.Namespace,
+          connections: int = 1) -> dict[str, Any]:
     """Closed-loop load from `procs` processes sharing `concurrency` callers; their reports merged."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
     shares = [s for s in (concurrency // procs + (i < concurrency % procs) for i in range(procs)) if s]
@@ -40,6 +40,7 @@ def drive(target: str, concurrency: int, procs: int, length: int, output: str, a
     workers = [ctx.Process(target=_load_worker, daemon=True, args=(queue, barrier, dict(
         target=target, concurrency=share, duration_s=args.duration, warmup_s=args.warmup, lengths=(length, length),
         seed=1000 * i + length, pooling="mean" if output == "pooled" else "none", return_hidden=output != "pooled",
+        connections=connections,
     ))) for i, share in enumerate(shares)]
     for w in workers:
         w.start()
@@ -105,30 +106,61 @@ def phase_service(args: argparse.Namespace, deadline: float, record: dict[str, A
     try:
         for c, procs, output in plan:
             for T in lengths:
-                run: dict[str, Any] = {"length": T, "concurrency": c, "procs": procs, "output": output}
-                if time.monotonic() + args.warmup + args.duration + 5 > deadline:
-                    runs.append({**run, "skipped": "out of time"})
-                    continue
-                try:
-                    run.update(drive(server.target, c, procs, T, output, args))
-                    roof = ceiling(model, T)
-                    if roof is not None:
-                        run.update(ceiling_seq_s=roof["seq_s"], ratio=run["sequences_per_s"] / roof["seq_s"])
-                    print(f"  {_run_line(run)}", flush=True)
-                except Exception as e:  # noqa: BLE001 - one failed run does not end the phase
-                    run["error"] = f"{type(e).__name__}: {e}"[:500]
-                    print(f"  T={T} c={c} x{procs} {output}: {run['error']}", flush=True)
-                runs.append(run)
+                runs.append(_measure(server, model, args, deadline, T, c, procs, output))
+        # Edge processes (README "More cores for the edge"): one process against N in front of the same model,
+        # several connections per load process so that the kernel spreads them over the edges.
+        if args.edge_processes:
+            for c in (64, 256):
+                runs.append(_measure(server, model, args, deadline, lengths[0], c, P, "pooled", edges=0))
     finally:
         server.stop()
+    if args.edge_processes and time.monotonic() + 60 < deadline:
+        server = ServerProcess(bundle, *flags, "--edge-processes", str(args.edge_processes), "--log-level",
+                               "warning", directory=args.out / "edges", timeout=min(240.0, deadline - time.monotonic()))
+        try:
+            for c in (64, 256):
+                runs.append(_measure(server, model, args, deadline, lengths[0], c, P, "pooled",
+                                     edges=args.edge_processes))
+        finally:
+            server.stop()
     measured = [r for r in runs if "sequences_per_s" in r]
     return {"status": "ok" if measured and all(not r["errors"] for r in measured) else "fail"}
+
+
+EDGE_CONNECTIONS = 8  # per load process, in the edge-process comparison
+
+
+def _measure(server: ServerProcess, model: dict[str, Any], args: argparse.Namespace, deadline: float, T: int,
+             c: int, procs: int, output: str, edges: int | None = None) -> dict[str, Any]:
+    """One load run; `edges` set: a run of the edge-process comparison (0: the one-process side)."""
+    run: dict[str, Any] = {"length": T, "concurrency": c, "procs": procs, "output": output}
+    if edges is not None:
+        run["edges"] = edges
+    if time.monotonic() + args.warmup + args.duration + 5 > deadline:
+        return {**run, "skipped": "out of time"}
+    try:
+        run.update(drive(server.target, c, procs, T, output, args,
+                         connections=EDGE_CONNECTIONS if edges is not None else 1))
+        roof = ceiling(model, T)
+        if roof is not None:
+            run.update(ceiling_seq_s=roof["seq_s"], ratio=run["sequences_per_s"] / roof["seq_s"])
+        print(f"  {_run_line(run)}", flush=True)
+    except Exception as e:  # noqa: BLE001 - one failed run does not end the phase
+        run["error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"  T={T} c={c} x{procs} {output}: {run['error']}", flush=True)
+    return run
+
+
+def _output(r: dict[str, Any]) -> str:
+    if "edges" not in r:
+        return str(r["output"])
+    return f"{r['output']}, {r['edges'] or 'no'} edge procs, {EDGE_CONNECTIONS} conns/proc"
 
 
 def _run_line(r: dict[str, Any]) -> str:
     lat = r.get("latency_ms") or {"p50": float("nan"), "p99": float("nan")}
     ratio = f"{r['ratio']:.2f} of ceiling" if "ratio" in r else "no ceiling"
-    return (f"T={r['length']} c={r['concurrency']} x{r['procs']} {r['output']}: {r['sequences_per_s']:.1f} seq/s "
+    return (f"T={r['length']} c={r['concurrency']} x{r['procs']} {_output(r)}: {r['sequences_per_s']:.1f} seq/s "
             f"({ratio}), p50 {lat['p50']:.1f} p99 {lat['p99']:.1f} ms, batch {r['server']['batch_size'] or 0:.1f}, "
             f"loadgen {r['loadgen_cpu']:.2f} CPU s/s (max {r['loadgen_cpu_max']:.2f}/proc), errors {r['errors'] or 0}")
 
@@ -140,7 +172,7 @@ def service_table(service: dict[str, Any]) -> list[str]:
              "| length | conc. | procs | output | seq/s | of ceiling | p50 ms | p99 ms | queue ms | compute ms | "
              "batch | loadgen CPU s/s (max/proc) | errors |", "|" + "---|" * 13]
     for r in service["runs"]:
-        head = f"| {r['length']} | {r['concurrency']} | {r['procs']} | {r['output']} | "
+        head = f"| {r['length']} | {r['concurrency']} | {r['procs']} | {_output(r)} | "
         if "sequences_per_s" not in r:
             lines.append(head + f"{cell(r.get('skipped') or r.get('error'))} |" + " |" * 8)
             continue

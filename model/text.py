@@ -130,6 +130,7 @@ class TextTokenizer:
             raise TextError(f"{source} failed its checksum: manifest sha256 {settings.tokenizer_sha256}, "
                             f"file sha256 {actual}; the file is corrupt or was replaced")
         self.settings = settings
+        self.data = data  # the tokenizer.json bytes: an edge process builds its own copy from them
         self._plain = load_tokenizer_json(data, source)
         # A second instance that cuts, the way transformers configures the backend for
         # tokenizer(..., truncation="longest_first", max_length=max_tokens): specials kept, content cut.

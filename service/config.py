@@ -82,7 +82,7 @@ class ServiceConfig:
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
     default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
-    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/server.py)
+    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/front.py)
     max_concurrent_streams: int = _opt(
         256, "calls one connection may have open at once; a client past it waits for a free stream, a stream "
              "over it is refused (REFUSED_STREAM) without touching other connections")
@@ -97,6 +97,10 @@ class ServiceConfig:
     keepalive_time_s: float = _opt(60.0, "ping a connection that has been quiet this long, to find dead peers")
     keepalive_timeout_s: float = _opt(20.0, "close a connection whose ping is not answered within this")
     # Lifecycle
+    edge_processes: int = _opt(
+        0, "gRPC edge processes (front doors, parsing, tokenizing) in front of one model process that owns the "
+           "device and the one batcher, sharing the gRPC port (README \"More cores for the edge\"; 0 = one process "
+           "does both)")
     drain_delay_s: float = _opt(0.0, "on SIGTERM, keep serving this long after NOT_SERVING (load balancers)")
     drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")
     reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
@@ -133,6 +137,7 @@ class ServiceConfig:
         ):
             _check(name, getattr(self, name), 1, None)
         _check("torch_threads", self.torch_threads, 0, None)
+        _check("edge_processes", self.edge_processes, 0, 64)
         _check("model_workers", self.model_workers, 0, None)
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf import any_pb2
@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from service.batching import Batcher, Done, Request
+from service.batching import Done, Item, Request
 from service.config import ServiceConfig
 from service.errors import (
     DeadlineExceeded,
@@ -48,15 +48,23 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
 
 
+class Admission(Protocol):
+    """What `Edge.compute` admits into: the batcher (service/batching/), or, in an edge process, the
+    model process's batcher over its socket (service/multiproc/remote.py)."""
+
+    def submit(self, requests: Sequence[Request[Job]], deadline: float) -> list[Item[Job]]: ...
+    def cancel(self, items: Sequence[Item[Job]]) -> None: ...
+
+
 @dataclass
 class Serving:
     """Readiness, shared by the server (which sets it) and the front doors (which admit by it)."""
 
     spec: ModelSpec | None = None  # set once the model is warm, with the batcher that runs it
-    batcher: Batcher[Job] | None = field(default=None, repr=False)
+    batcher: Admission | None = field(default=None, repr=False)
     draining: bool = False
 
-    def require_ready(self) -> tuple[ModelSpec, Batcher[Job]]:
+    def require_ready(self) -> tuple[ModelSpec, Admission]:
         if self.draining:
             raise ShuttingDown("server shutting down; retry on another replica")
         if self.spec is None or self.batcher is None:

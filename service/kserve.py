@@ -229,7 +229,7 @@ class KServeServicer:
             execution_count=int(sum(self._sample("attention_batches_total", {"width": w}) for w in ("wide", "narrow"))),
         )
         calls = stats.inference_stats
-        for sample in _samples(self._metrics.request_duration):
+        for sample in self._samples(self._metrics.request_duration):
             if sample.labels.get("method") in _INFER_METHODS:
                 into = calls.success if sample.labels["code"] == "OK" else calls.fail
                 if sample.name.endswith("_count"):
@@ -238,7 +238,7 @@ class KServeServicer:
                     into.ns += int(sample.value * 1e9)
         _duration(calls.queue, self._sample("attention_queue_duration_seconds_count"),
                   self._sample("attention_queue_duration_seconds_sum"))
-        for sample in _samples(self._metrics.compute_duration):
+        for sample in self._samples(self._metrics.compute_duration):
             if sample.name.endswith("_count"):
                 calls.compute_infer.count += int(sample.value)
             elif sample.name.endswith("_sum"):
@@ -246,7 +246,13 @@ class KServeServicer:
         return v2.ModelStatisticsResponse(model_stats=[stats])
 
     def _sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self._metrics.registry.get_sample_value(name, labels or {}) or 0.0
+        return self._metrics.view.get_sample_value(name, labels or {}) or 0.0
+
+    def _samples(self, metric: Any) -> list[Any]:
+        if self._metrics.view is self._metrics.registry:
+            return [sample for family in metric.collect() for sample in family.samples]
+        return [sample for family in self._metrics.view.collect() if family.name == metric._name
+                for sample in family.samples]
 
     # -- inference --------------------------------------------------------------------------------
 
@@ -336,10 +342,6 @@ def _shown(value: Any, quote: bool = True) -> str:
 
 def _names(spec: ModelSpec, name: str, version: str) -> bool:
     return name == spec.name and version in ("", spec.version)
-
-
-def _samples(metric: Any) -> list[Any]:
-    return [sample for family in metric.collect() for sample in family.samples]
 
 
 def _duration(into: Any, count: float, seconds: float) -> None:

@@ -28,11 +28,20 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 METHODS = ("Encode", "EncodeStream")
 
 
+# With edge processes (service/multiproc/) every process writes its own values and /metrics sums them
+# (prometheus_client's multiprocess mode): a gauge says how. The queue, limit and model gauges are
+# the model process's (the edges' stay 0): max. attention_ready is 1 only while every live process is
+# ready: livemin. One process: no effect.
+
+
 class Metrics:
     """Every metric of the service. Implements the batcher's and the runner's observer protocols."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # Where the service's own numbers are read back (KServe statistics and readiness): this registry,
+        # or, in an edge process, every process's summed (service/multiproc/edge_worker.py sets it).
+        self.view = registry
         r = registry
         self.request_duration = Histogram(
             "attention_request_duration_seconds", "Call latency, end to end in the server (a stream: per request)",
@@ -50,14 +59,18 @@ class Metrics:
             buckets=TOKEN_BUCKETS, registry=r)
         self.padding_ratio = Histogram(
             "attention_padding_ratio", "Padded tokens / real tokens per batch", buckets=RATIO_BUCKETS, registry=r)
-        self.queue_depth = Gauge("attention_queue_depth", "Sequences waiting for a batch", registry=r)
-        self.queue_tokens = Gauge("attention_queue_tokens", "Tokens waiting for a batch", registry=r)
+        self.queue_depth = Gauge("attention_queue_depth", "Sequences waiting for a batch", registry=r,
+                                 multiprocess_mode="max")
+        self.queue_tokens = Gauge("attention_queue_tokens", "Tokens waiting for a batch", registry=r,
+                                  multiprocess_mode="max")
         self.queue_limit_tokens = Gauge(
-            "attention_queue_limit_tokens", "Queued tokens beyond which calls are refused", registry=r)
-        self.ready = Gauge("attention_ready", "1 when the model is warm and the service SERVING", registry=r)
+            "attention_queue_limit_tokens", "Queued tokens beyond which calls are refused", registry=r,
+            multiprocess_mode="max")
+        self.ready = Gauge("attention_ready", "1 when the model is warm and the service SERVING", registry=r,
+                           multiprocess_mode="livemin")
         self.model_info = Gauge(
             "attention_model_info", "The model served (value 1)", ["name", "version", "device", "precision"],
-            registry=r)
+            registry=r, multiprocess_mode="max")
         self.requests = Counter(
             "attention_requests_total", "Calls by method and gRPC code", ["method", "code"], registry=r)
         # Children looked up once: `labels()` takes a lock and builds a key on every call (issue 22).
@@ -104,10 +117,11 @@ class Metrics:
             ["layer"], registry=r)
         self.entropy_baseline = Gauge(
             "attention_entropy_baseline", "The operator's normal entropy for this deployment (entropy_baseline)",
-            ["layer"], registry=r)
+            ["layer"], registry=r, multiprocess_mode="max")
         self.diagnostics_enabled = Gauge(
             "attention_diagnostics_enabled", "1 when attention health is sampled (diagnostics_sample > 0 and the "
-            "bundle has the diagnostics entry point)", registry=r)
+            "bundle has the diagnostics entry point)", registry=r,
+            multiprocess_mode="max")
 
         # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/grpc_metrics.py).
         grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]

@@ -7,6 +7,9 @@ finish (what cannot finish is answered UNAVAILABLE "shutting down" just before t
 then stop the model thread and exit 0. A second signal stops at once. The last log line is the
 call ledger (started = handled by code; queue empty).
 
+`edge_processes` > 0 runs the gRPC side in that many edge processes instead (service/multiproc/);
+this module is then the model's half (`start_model`), and `serve()` hands over at once.
+
 Security (service/security.py): with `tls_cert`/`tls_key` the gRPC port speaks TLS only (mutual
 TLS with `tls_client_ca`); `health_port` then serves plaintext health checks for probes. With
 tokens configured, the auth interceptor is outermost, so an unauthenticated call runs nothing.
@@ -26,7 +29,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from model.default import ensure_default_bundle
@@ -36,44 +38,12 @@ from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
 from service.edge import Edge, Serving
 from service.fault_hooks import FaultHooks
-from service.grpc_metrics import MetricsInterceptor
+from service.front import Front, build_front, grpc_options, ledger
 from service.jobs import Job, ModelSpec
-from service.kserve import SERVICE_NAME as KSERVE_NAME
-from service.kserve import KServeServicer
 from service.metrics import Metrics
 from service.runner import Runner
-from service.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
-from service.servicer import AttentionServicer
 
 log = logging.getLogger(__name__)
-
-
-def grpc_options(config: ServiceConfig) -> list[tuple[str, Any]]:
-    def ms(seconds: float) -> int:
-        return int(seconds * 1000) if seconds > 0 else 2**31 - 1  # INT_MAX: no limit
-
-    return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),  # a second process must fail to bind, not silently share the port
-        # Accept the keepalive pings our client sends (every 30 s, also when idle).
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        # Connection limits. Without a stream limit one connection can open streams without bound (a
-        # burst of 20,000 header-only streams made other connections' calls fail CANCELLED); without
-        # an age limit a call whose message never completes and that has no deadline is never
-        # answered (grpcio reads the message before any handler runs, so only the connection can end it).
-        ("grpc.max_concurrent_streams", config.max_concurrent_streams),
-        ("grpc.max_connection_idle_ms", ms(config.max_connection_idle_s)),
-        ("grpc.max_connection_age_ms", ms(config.max_connection_age_s)),
-        ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)),
-        ("grpc.keepalive_time_ms", ms(config.keepalive_time_s)),
-        ("grpc.keepalive_timeout_ms", ms(config.keepalive_timeout_s)),
-        # chttp2's own timeout for an unanswered ping (internal.h; 1 min by default), which is what
-        # closes the connection of a peer that stopped answering: the same bound as keepalive's.
-        ("grpc.http2.ping_timeout_ms", ms(config.keepalive_timeout_s)),
-        ("grpc.http2.max_pings_without_data", 0),  # keep probing during a long call that sends nothing
-    ]
 
 
 def model_workers(config: ServiceConfig) -> int:
@@ -115,44 +85,17 @@ class Server:
         self.hooks = FaultHooks.from_config(config)
         self.threads = ModelThreads(model_workers(config))
         edge = Edge(config, self.serving, self.metrics)
-        self.servicer = AttentionServicer(edge, self.metrics)
-        # The KServe v2 front door: the same edge (admission, batcher, outcome), error table and metrics.
-        self.kserve = KServeServicer(edge, self.metrics, len(self.threads))
-        doors = [SERVICE_NAME, KSERVE_NAME]
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics, doors)]
-        tokens = load_tokens(config)
-        if tokens:
-            # Outermost: nothing else runs for an unauthenticated call.
-            interceptors.insert(0, AuthInterceptor(TokenChecker(tokens), self.metrics))
-        self.grpc = grpc.aio.server(interceptors=interceptors, options=grpc_options(config))
-        self.grpc.add_generic_rpc_handlers((self.servicer.rpc_handler(), self.kserve.rpc_handler()))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        if config.reflection:
-            names = (SERVICE_NAME, KSERVE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-            reflection.enable_server_reflection(names, self.grpc)
+        front = build_front(config, edge, self.metrics, self.health, len(self.threads))
+        self.grpc, self.port = front.grpc, front.port
+        self.servicer, self.kserve = front.servicer, front.kserve
+        self._batcher: Batcher[Job] | None = None
         self.health_grpc: grpc.aio.Server | None = None
-        address = f"{config.host}:{config.port}"
-        credentials = server_credentials(config)
-        # Both raise RuntimeError "Failed to bind" when the port is taken (so_reuseport=0: no silent sharing).
-        if credentials is None:
-            self.port = self.grpc.add_insecure_port(address)
-        else:
-            self.port = self.grpc.add_secure_port(address, credentials)
         self.health_port = 0
         if config.health_port >= 0:
-            self.health_grpc = grpc.aio.server(options=grpc_options(config))
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
-            self.health_port = self.health_grpc.add_insecure_port(f"{config.host}:{config.health_port}")
+            self.health_grpc, self.health_port = health_server(config, self.health)
         if self.hooks.armed:
             log.warning("fault hooks armed (test builds only): %s", self.hooks.armed)
-        if tokens and credentials is None:
-            log.warning("bearer tokens over plaintext: anyone on the path can read them; configure TLS")
-        if credentials is not None and self.health_grpc is None:
-            log.warning("TLS on and no plaintext health port: probes that cannot speak TLS will fail")
-        log.info("gRPC port %d: %s; %s; reflection %s; health port %s", self.port,
-                 ("mutual TLS" if config.tls_client_ca else "TLS") if credentials else "plaintext",
-                 f"bearer tokens required ({len(tokens)} configured)" if tokens else "no token auth",
-                 "on" if config.reflection else "off", self.health_port or "off")
+        log_front(config, front, self.health_port)
         self.metrics_port = 0
         self._httpd: Any = None
         self._startup: asyncio.Task[None] | None = None
@@ -160,8 +103,8 @@ class Server:
     @property
     def batcher(self) -> Batcher[Job]:
         """The batcher (it exists once the model is warm: after `ready()`)."""
-        assert self.serving.batcher is not None, "the batcher starts once the model is warm. This is a bug."
-        return self.serving.batcher
+        assert self._batcher is not None, "the batcher starts once the model is warm. This is a bug."
+        return self._batcher
 
     async def start(self) -> None:
         """Listen, then load and warm the model in the background (see `ready()`)."""
@@ -189,25 +132,9 @@ class Server:
 
     async def _load_and_warm(self) -> None:
         config = self.config
-        await self.hooks.pause("before_ready")
-        bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
-        runner = Runner(config, bundle_dir, self.metrics, len(self.threads))
-        spec = await self.threads.call(runner.load)
-        limits = batch_limits(config, spec)
-        if config.warmup:
-            await self.threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
-        if len(config.entropy_baselines) not in (0, 1, spec.n_layers):
-            raise ValueError(f"entropy_baseline has {len(config.entropy_baselines)} values; the model has "
-                             f"{spec.n_layers} layers (give one value, or one per layer)")
-        self.metrics.on_model(spec.n_layers, runner.diagnostics, config.entropy_baselines)
-        if runner.diagnostics:
-            log.info("attention health: sampling %g of batches", config.diagnostics_sample)
-        batcher: Batcher[Job] = Batcher(self.hooks.runner(runner), limits, self.threads, observer=self.metrics,
-                                        make_queue=self.hooks.queue(),
-                                        after_batch=runner.after_batch if runner.diagnostics else None)
-        batcher.start()
+        batcher, spec = await start_model(config, self.metrics, self.threads, self.hooks)
+        self._batcher = batcher
         self.serving.batcher, self.serving.spec = batcher, spec
-        self.metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
         if not self.serving.draining:
             await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
             self.metrics.ready.set(1)
@@ -228,7 +155,7 @@ class Server:
         if grace > 0 and self.config.drain_delay_s > 0:
             await asyncio.sleep(self.config.drain_delay_s)
         self.serving.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
-        batcher = self.serving.batcher
+        batcher = self._batcher
         if batcher is not None:
             batcher.close()
         if self._startup is not None and not self._startup.done():
@@ -253,6 +180,46 @@ class Server:
             self._httpd.server_close()
 
 
+async def start_model(config: ServiceConfig, metrics: Metrics, threads: ModelThreads,
+                      hooks: FaultHooks) -> tuple[Batcher[Job], ModelSpec]:
+    """Load and warm the model on the (started) model threads, then start the batcher that runs it."""
+    await hooks.pause("before_ready")
+    bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
+    runner = Runner(config, bundle_dir, metrics, len(threads))
+    spec = await threads.call(runner.load)
+    limits = batch_limits(config, spec)
+    if config.warmup:
+        await threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
+    if len(config.entropy_baselines) not in (0, 1, spec.n_layers):
+        raise ValueError(f"entropy_baseline has {len(config.entropy_baselines)} values; the model has "
+                         f"{spec.n_layers} layers (give one value, or one per layer)")
+    metrics.on_model(spec.n_layers, runner.diagnostics, config.entropy_baselines)
+    if runner.diagnostics:
+        log.info("attention health: sampling %g of batches", config.diagnostics_sample)
+    batcher: Batcher[Job] = Batcher(hooks.runner(runner), limits, threads, observer=metrics,
+                                    make_queue=hooks.queue(),
+                                    after_batch=runner.after_batch if runner.diagnostics else None)
+    batcher.start()
+    metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
+    return batcher, spec
+
+
+def health_server(config: ServiceConfig, servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:
+    """The extra plaintext port serving only grpc.health.v1 (`health_port`), bound, not started."""
+    server = grpc.aio.server(options=grpc_options(config))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return server, server.add_insecure_port(f"{config.host}:{config.health_port}")
+
+
+def log_front(config: ServiceConfig, front: Front, health_port: int) -> None:
+    if front.tls and health_port == 0:
+        log.warning("TLS on and no plaintext health port: probes that cannot speak TLS will fail")
+    log.info("gRPC port %d: %s; %s; reflection %s; health port %s", front.port,
+             ("mutual TLS" if config.tls_client_ca else "TLS") if front.tls else "plaintext",
+             f"bearer tokens required ({front.tokens} configured)" if front.tokens else "no token auth",
+             "on" if config.reflection else "off", health_port or "off")
+
+
 def build_server(config: ServiceConfig, registry: CollectorRegistry) -> tuple[Server, int]:
     """Build (not start) a server bound to config.host:config.port; returns it and the bound port."""
     server = Server(config, registry)
@@ -261,6 +228,10 @@ def build_server(config: ServiceConfig, registry: CollectorRegistry) -> tuple[Se
 
 async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code."""
+    if config.edge_processes:
+        from service.multiproc.host import serve_with_edges  # the other mode; nothing of it loads in this one
+
+        return await serve_with_edges(config)
     try:
         server, port = build_server(config, registry)
     except (RuntimeError, ValueError, OSError) as exc:  # port taken, unreadable certificate or token file
@@ -306,31 +277,6 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     log.warning("the model thread is still in a forward; exiting without waiting for it")
     logging.shutdown()
     os._exit(0)
-
-
-def ledger(registry: CollectorRegistry) -> dict[str, Any]:
-    """The call ledger of both front doors (AttentionService, KServe v2) from the metrics: every
-    started call handled, by code, and what the queue still holds. Read at exit, and by tests."""
-    started = 0.0
-    handled: dict[str, float] = {}
-    dropped: dict[str, float] = {}
-    values: dict[str, float] = {}
-    for family in registry.collect():
-        for sample in family.samples:
-            if sample.labels.get("grpc_service") in (SERVICE_NAME, KSERVE_NAME):
-                if sample.name == "grpc_server_started_total":
-                    started += sample.value
-                elif sample.name == "grpc_server_handled_total":
-                    code = sample.labels["grpc_code"]
-                    handled[code] = handled.get(code, 0) + sample.value
-            elif sample.name == "attention_dropped_total":
-                dropped[sample.labels["reason"]] = sample.value
-            elif sample.name in ("attention_queue_depth", "attention_batch_size_sum"):
-                values[sample.name] = sample.value
-    return {"started": int(started), "handled": {k: int(v) for k, v in handled.items() if v},
-            "dropped": {k: int(v) for k, v in dropped.items() if v},
-            "queue_depth": int(values.get("attention_queue_depth", 0)),
-            "batched_sequences": int(values.get("attention_batch_size_sum", 0))}
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

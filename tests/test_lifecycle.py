@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2
 
 from bench.server_process import ServerProcess
@@ -21,8 +22,9 @@ from proto.attention.v1.wire import from_tensor
 from tests.helpers import health, ids_request, wait_for
 
 
-async def test_sigterm_drains_in_flight_calls_and_exits_zero(fault_bundle: Path, tmp_path: Path):
-    server = ServerProcess(fault_bundle, "--drain-delay-s", "0.5", "--drain-grace-s", "5", directory=tmp_path)
+@pytest.mark.parametrize("mode", [(), ("--edge-processes", "2")], ids=["one-process", "edge-processes"])
+async def test_sigterm_drains_in_flight_calls_and_exits_zero(fault_bundle: Path, tmp_path: Path, mode: tuple[str, ...]):
+    server = ServerProcess(fault_bundle, "--drain-delay-s", "0.5", "--drain-grace-s", "5", *mode, directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel:
             stub = attention_pb2_grpc.AttentionServiceStub(channel)

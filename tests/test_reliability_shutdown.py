@@ -26,6 +26,8 @@ from tests.helpers import health, ids_request, wait_for
 from tests.reliability_helpers import assert_clean_status
 
 Code = grpc.StatusCode
+# One process, and the same service as a model process behind two edge processes (service/multiproc/).
+MODES = pytest.mark.parametrize("mode", [(), ("--edge-processes", "2")], ids=["one-process", "edge-processes"])
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
@@ -58,11 +60,12 @@ async def not_serving_after_sigterm(server: ServerProcess, probe: grpc.aio.Chann
     return time.monotonic() - sent
 
 
+@MODES
 async def test_sigterm_under_load_answers_every_call_and_exits_zero_in_time(fault_bundle: Path, tmp_path: Path,
-                                                                           reference_model):
+                                                                           reference_model, mode: tuple[str, ...]):
     grace = 3.0
     server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--max-batch-size", "4",
-                           "--health-port", "0", "--log-level", "info", directory=tmp_path)
+                           "--health-port", "0", "--log-level", "info", *mode, directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
@@ -114,11 +117,14 @@ async def test_sigterm_under_load_answers_every_call_and_exits_zero_in_time(faul
     assert "Traceback" not in server.output()
 
 
-async def test_a_call_longer_than_grace_is_answered_and_exit_is_still_on_time(fault_bundle: Path, tmp_path: Path):
+@MODES
+async def test_a_call_longer_than_grace_is_answered_and_exit_is_still_on_time(fault_bundle: Path, tmp_path: Path,
+                                                                             mode: tuple[str, ...]):
     """S-02: the model hangs (30 s) past a 1 s grace: the caller gets UNAVAILABLE "shutting down"
     before the grace ends and the process exits 0 by grace + 1 s anyway."""
     grace = 1.0
-    server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--health-port", "0", directory=tmp_path)
+    server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--health-port", "0", *mode,
+                           directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
@@ -144,9 +150,10 @@ async def test_a_call_longer_than_grace_is_answered_and_exit_is_still_on_time(fa
     assert book["batched_sequences"] + sum(book["dropped"].values()) == 2, book
 
 
-async def test_a_second_signal_stops_at_once(fault_bundle: Path, tmp_path: Path):
+@MODES
+async def test_a_second_signal_stops_at_once(fault_bundle: Path, tmp_path: Path, mode: tuple[str, ...]):
     """S-03: during a long drain (10 s grace, a hung model) a second SIGTERM exits promptly, cleanly."""
-    server = ServerProcess(fault_bundle, "--drain-grace-s", "10", "--health-port", "0", directory=tmp_path)
+    server = ServerProcess(fault_bundle, "--drain-grace-s", "10", "--health-port", "0", *mode, directory=tmp_path)
     try:
         async with grpc.aio.insecure_channel(server.target) as channel, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:

@@ -1,0 +1,126 @@
+"""An edge process: `python -m service.multiproc.edge_worker DIRECTORY INDEX`, started by the model
+process (service/multiproc/host.py), never by hand.
+
+It runs the service's whole gRPC server (service/front.py) on the shared port with SO_REUSEPORT,
+admitting into the model process's batcher (service/multiproc/remote.py). Its lifecycle follows the
+model process: SERVING once the model process has described its warm model (HELLO); on DRAIN the
+same drain as one process's (readiness NOT_SERVING, `drain_delay_s`, new calls UNAVAILABLE, accepted
+calls finish within the grace), then its call ledger (BYE) and exit 0. When the model process goes
+away, unanswered calls fail UNAVAILABLE and the edge exits 1. Signals are the model process's to
+handle: an edge ignores SIGINT/SIGTERM (a terminal's Ctrl-C reaches the whole process group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from grpc_health.v1 import health, health_pb2
+from prometheus_client import CollectorRegistry, multiprocess
+
+from proto.attention.v1.wire import SERVICE_NAME
+from service.config import ServiceConfig
+from service.edge import Edge, Serving
+from service.front import build_front, ledger
+from service.metrics import Metrics
+from service.multiproc import wire
+from service.multiproc.remote import ModelClient
+
+log = logging.getLogger("service.edge_process")
+SOCKET = "model.sock"
+CONFIG = "config.json"
+
+
+async def run(directory: Path) -> int:
+    config = ServiceConfig(**json.loads((directory / CONFIG).read_text()))
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)  # prometheus_client's multiprocess mode: the model process sums every process
+    metrics.view = CollectorRegistry()  # read back (KServe statistics, readiness): every process's, summed
+    multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
+    serving = Serving()
+    health_servicer = health.aio.HealthServicer()
+    limit = wire.max_frame(config.max_message_bytes)
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
+        kind, _, body = await wire.read_frame(reader, limit)
+    except (OSError, asyncio.IncompleteReadError, wire.FrameError) as exc:
+        log.error("cannot reach the model process: %s", exc)
+        return 1
+    if kind != wire.HELLO:
+        log.error("the model process sent frame kind %d before HELLO", kind)
+        return 1
+    spec, workers = wire.read_hello(body)
+    edge = Edge(config, serving, metrics)
+    try:
+        front = build_front(config, edge, metrics, health_servicer, workers, reuse_port=True)
+    except RuntimeError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    loop = asyncio.get_running_loop()
+    drains: asyncio.Queue[float] = asyncio.Queue()
+    lost = asyncio.Event()
+    client = ModelClient(reader, writer, limit, drains.put_nowait, lost.set)
+    metrics.queue_limit_tokens.set(config.max_queue_tokens)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await front.grpc.start()
+    serving.spec, serving.batcher = spec, client
+    metrics.ready.set(1)
+    client.start()
+    client.send(wire.message(wire.READY, {"pid": os.getpid(), "port": front.port}))
+    log.info("serving on %s:%d (%s, %s), pid %d", config.host, front.port, "TLS" if front.tls else "plaintext",
+             f"{front.tokens} bearer tokens" if front.tokens else "no token auth", os.getpid())
+
+    async def stop(grace: float) -> None:
+        await health_servicer.enter_graceful_shutdown()
+        metrics.ready.set(0)
+        if grace > 0 and config.drain_delay_s > 0:
+            await asyncio.sleep(config.drain_delay_s)
+        serving.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
+        # The model process answers every accepted job before the grace ends (as one process does).
+        await front.grpc.stop(grace)
+
+    drain = asyncio.create_task(drains.get())
+    gone = asyncio.create_task(lost.wait())
+    await asyncio.wait({drain, gone}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if drain.done():
+        stopping = loop.create_task(stop(drain.result()))
+        again = asyncio.create_task(drains.get())
+        await asyncio.wait({stopping, again, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():  # a second signal (DRAIN 0), or the model process went away
+            stopping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopping
+            await stop(0)
+        again.cancel()
+    else:
+        drain.cancel()
+        log.error("the model process is gone: failing calls UNAVAILABLE and exiting")
+        serving.draining = True
+        code = 1
+        await stop(min(1.0, config.drain_grace_s))  # the calls just failed get their answers out
+    gone.cancel()
+    client.send(wire.message(wire.BYE, {"pid": os.getpid(), "ledger": ledger(registry)}))
+    await client.close()
+    return code
+
+
+def main(argv: list[str]) -> int:
+    directory, index = Path(argv[0]), int(argv[1])
+    level = json.loads((directory / CONFIG).read_text())["log_level"]
+    logging.basicConfig(level=level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[edge {index}]: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return asyncio.run(run(directory))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,394 @@
+"""The model process of `edge_processes` > 0: `serve_with_edges(config)` is `python -m service` then.
+
+It owns the device, the runner, the model threads and the one batcher (service/server.py
+`start_model`), and serves them to its edge processes (service/multiproc/edge_worker.py) over a Unix
+socket in a private directory (mode 0700, removed at exit). It also serves /metrics (every
+process's, summed by prometheus_client's MultiProcessCollector) and the plaintext health port.
+
+The port. With `--port 0` it picks one; either way it holds the port with a bound, never-listening
+SO_REUSEPORT socket before any edge starts, and hands the number to the edges, which listen on it
+with SO_REUSEPORT (the kernel spreads connections over them). A service in one process (SO_REUSEPORT
+off) cannot bind that port, nor can this one bind a port such a service holds. Another service with
+edge processes, run by the same user, could join the group: an exclusive lock on
+`$TMPDIR/attention-service-<uid>-port-<port>.lock` refuses that one ("port held by another service").
+
+Start-up: load and warm the model, start the edges, and report SERVING (readiness, ready file) once
+every edge is serving. Shutdown (SIGTERM): the same drain as one process's, in every process at
+once: readiness NOT_SERVING here and in the edges (DRAIN), `drain_delay_s`, then new calls
+UNAVAILABLE, accepted ones answered by the batcher within `drain_grace_s` (what cannot finish:
+UNAVAILABLE "shutting down" just before the grace ends), the edges exit 0, then this process logs the
+call ledger of every process together and exits 0. A second signal stops everything at once.
+
+A crashed edge: logged as an error and restarted (its port share is taken over by the others
+meanwhile); more than `MAX_RESTARTS` crashes within `RESTART_WINDOW_S` fail the service loudly
+(drain and exit 1), as a crash loop would otherwise hide. A crashed model process: the edges see the
+socket close, fail their unanswered calls UNAVAILABLE and exit 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
+
+from proto.attention.v1.wire import SERVICE_NAME
+from service.batching import Batcher, Item, ModelThreads, Request
+from service.config import ServiceConfig
+from service.errors import ModelFailure, ServiceError
+from service.fault_hooks import FaultHooks
+from service.front import ledger
+from service.jobs import Job, ModelSpec
+from service.metrics import Metrics
+from service.multiproc import wire
+from service.multiproc.edge_worker import CONFIG, SOCKET
+from service.server import _write_json, health_server, model_workers, start_model
+
+log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+
+
+def enable_multiprocess_metrics(directory: Path) -> None:
+    """prometheus_client's multiprocess mode for this process and the edges it starts (they inherit the
+    variable). The library picks its value class from the variable when it is imported, so it is
+    picked again here, with the library's own function, before any metric exists."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+    values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
+
+
+def reserve_port(host: str, port: int) -> tuple[socket.socket, int, IO[str]]:
+    """Hold host:port for this service's edges (see the module docstring); returns the holder, the
+    port (picked when 0) and the held lock. OSError when the port is taken."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    holder = socket.socket(family, kind, proto)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        holder.bind(address)
+    except OSError as exc:
+        holder.close()
+        raise OSError(f"Failed to bind to address {host}:{port}: {exc.strerror or exc}") from None
+    port = holder.getsockname()[1]
+    lock = open(Path(tempfile.gettempdir()) / f"attention-service-{os.getuid()}-port-{port}.lock", "a")  # noqa: SIM115
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder.close()
+        lock.close()
+        raise OSError(f"Failed to bind to address {host}:{port}: held by another service's edge processes") from None
+    return holder, port, lock
+
+
+@dataclass(eq=False)
+class EdgeSlot:
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    writer: asyncio.StreamWriter | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ModelHost:
+    def __init__(self, config: ServiceConfig, directory: Path, port: int) -> None:
+        self.config = config
+        self.directory = directory
+        self.port = port
+        self.metrics = Metrics(CollectorRegistry())
+        self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
+        self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
+        multiprocess.MultiProcessCollector(self.totals, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
+        self.health = health.aio.HealthServicer()
+        self.health_grpc: grpc.aio.Server | None = None
+        self.health_port = 0
+        if config.health_port >= 0:
+            self.health_grpc, self.health_port = health_server(config, self.health)
+        self.hooks = FaultHooks.from_config(config)
+        self.workers = model_workers(config)
+        self.threads = ModelThreads(self.workers)
+        self.slots = [EdgeSlot(i) for i in range(config.edge_processes)]
+        self.batcher: Batcher[Job] | None = None
+        self.spec: ModelSpec | None = None
+        self.stopping = False
+        self.failed = asyncio.Event()  # a crash loop: the service stops, exit 1
+        self._crashes: list[float] = []
+        self._watchers: list[asyncio.Task[None]] = []
+        self._unix: asyncio.Server | None = None
+        self._httpd: Any = None
+        self.metrics_port = 0
+        self.startup: asyncio.Task[None] | None = None
+        self.max_frame = wire.max_frame(config.max_message_bytes)
+
+    async def start(self) -> None:
+        if self.config.metrics_port >= 0:
+            host = self.config.metrics_host or self.config.host
+            try:
+                self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.totals)
+            except OSError as exc:
+                raise OSError(f"metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}") from None
+            self.metrics_port = self._httpd.server_port
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.health_grpc is not None:
+            await self.health_grpc.start()
+        self.threads.start()
+        self.startup = asyncio.create_task(self._load_and_start_edges())
+
+    async def _load_and_start_edges(self) -> None:
+        config = self.config
+        self.batcher, self.spec = await start_model(config, self.metrics, self.threads, self.hooks)
+        edge_config = {**_fields(config), "port": self.port, "ready_file": ""}
+        # 0600 in a 0700 directory: it holds the bearer tokens, if any.
+        with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            json.dump(edge_config, f)
+        self._unix = await asyncio.start_unix_server(self._connection, str(self.directory / SOCKET))
+        for slot in self.slots:
+            await self._spawn(slot)
+        await asyncio.gather(*(slot.ready.wait() for slot in self.slots))
+        if self.stopping:
+            return
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        self.metrics.ready.set(1)
+        spec = self.spec
+        log.info("serving %s v%s on %s:%d through %d edge processes (%s, %s)", spec.name, spec.version,
+                 config.host, self.port, len(self.slots), spec.device, spec.precision)
+        if config.ready_file:
+            _write_json(config.ready_file, {
+                "port": self.port, "metrics_port": self.metrics_port, "health_port": self.health_port,
+                "pid": os.getpid(), "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
+
+    async def _spawn(self, slot: EdgeSlot) -> None:
+        slot.ready.clear()
+        slot.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "service.multiproc.edge_worker", str(self.directory), str(slot.index))
+        log.info("edge %d started (pid %d)", slot.index, slot.proc.pid)
+        self._watchers.append(asyncio.create_task(self._watch(slot, slot.proc)))
+
+    async def _watch(self, slot: EdgeSlot, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        multiprocess.mark_process_dead(proc.pid, str(self.directory / "metrics"))  # type: ignore[no-untyped-call]
+        if self.stopping:
+            if code != 0:
+                log.error("edge %d (pid %d) exited %d during shutdown", slot.index, proc.pid, code)
+            return
+        now = time.monotonic()
+        self._crashes = [t for t in self._crashes if now - t < RESTART_WINDOW_S] + [now]
+        if len(self._crashes) > MAX_RESTARTS:
+            log.error("edge %d (pid %d) exited %d: %d edge crashes within %.0f s; stopping the service",
+                      slot.index, proc.pid, code, len(self._crashes), RESTART_WINDOW_S)
+            self.failed.set()
+            return
+        log.error("edge %d (pid %d) exited %d; restarting it", slot.index, proc.pid, code)
+        await self._spawn(slot)
+
+    # -- one edge's connection -------------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self.batcher is not None and self.spec is not None
+        batcher = self.batcher
+        writer.write(wire.hello(self.spec, self.workers))
+        calls: dict[int, list[Item[Job]]] = {}
+        slot: EdgeSlot | None = None
+        try:
+            while True:
+                kind, call, body = await wire.read_frame(reader, self.max_frame)
+                if kind == wire.SUBMIT:
+                    deadline, jobs = wire.read_submit(body)
+                    try:
+                        items = batcher.submit([Request(job, job.length, job.key) for job in jobs], deadline)
+                    except ServiceError as exc:  # refused: Overloaded, ShuttingDown
+                        writer.write(wire.error(call, -1, exc))
+                        continue
+                    calls[call] = items
+                    for index, item in enumerate(items):
+                        item.future.add_done_callback(functools.partial(self._answer, writer, calls, call, index))
+                elif kind == wire.CANCEL:
+                    if (cancelled := calls.pop(call, None)) is not None:
+                        batcher.cancel(cancelled)
+                elif kind == wire.READY:
+                    pid = wire.read_message(body)["pid"]
+                    slot = next((s for s in self.slots if s.proc is not None and s.proc.pid == pid), None)
+                    if slot is None:
+                        raise wire.FrameError(f"READY from pid {pid}, not an edge of this process")
+                    slot.writer = writer
+                    slot.ready.set()
+                    if self.stopping:  # started just as the drain began
+                        writer.write(wire.drain(0))
+                elif kind == wire.BYE:
+                    data = wire.read_message(body)
+                    log.info("edge %s (pid %d) stopped; its calls %s", slot.index if slot else "?", data["pid"],
+                             json.dumps(data["ledger"], sort_keys=True))
+                else:
+                    raise wire.FrameError(f"unexpected frame kind {kind} from an edge")
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        except wire.FrameError as exc:
+            log.error("bad frame from an edge: %s", exc)
+        finally:
+            for items in calls.values():  # the edge is gone: so are its callers
+                batcher.cancel(items)
+            if slot is not None and slot.writer is writer:
+                slot.writer = None
+            writer.close()
+
+    def _answer(self, writer: asyncio.StreamWriter, calls: dict[int, list[Item[Job]]], call: int, index: int,
+                future: asyncio.Future[Any]) -> None:
+        items = calls.get(call)
+        if items is not None and all(item.future.done() for item in items):
+            del calls[call]
+        if future.cancelled() or writer.is_closing():
+            return
+        exc = future.exception()
+        if exc is None:
+            writer.write(wire.result(call, index, future.result()))
+        else:
+            if not isinstance(exc, ServiceError):
+                exc = ModelFailure("internal error")
+                log.error("a job failed (ref=%s)", exc.ref, exc_info=future.exception())
+            writer.write(wire.error(call, index, exc))
+
+    # -- shutdown --------------------------------------------------------------------------------------
+
+    def _tell_edges(self, grace: float) -> None:
+        for slot in self.slots:
+            if slot.writer is not None and not slot.writer.is_closing():
+                slot.writer.write(wire.drain(grace))
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop every process. `grace` defaults to `drain_grace_s`; 0 stops at once."""
+        grace = self.config.drain_grace_s if grace is None else grace
+        self.stopping = True
+        self._tell_edges(grace)
+        await self.health.enter_graceful_shutdown()
+        self.metrics.ready.set(0)
+        if grace > 0 and self.config.drain_delay_s > 0:
+            await asyncio.sleep(self.config.drain_delay_s)
+        batcher = self.batcher
+        if batcher is not None:
+            batcher.close()
+        if self.startup is not None and not self.startup.done():
+            self.startup.cancel()
+        await self.hooks.pause("in_shutdown")
+        margin = min(0.25, grace / 5)
+        if batcher is not None:
+            await batcher.drain(grace - margin)
+            await batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
+        # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap the edges' exit.
+        metrics_down = (asyncio.create_task(asyncio.to_thread(self._httpd.shutdown)) if self._httpd is not None
+                        else None)
+        # The edges answer what the batcher just answered, then exit (by their own grace at the latest).
+        procs = [s.proc for s in self.slots if s.proc is not None]
+        if procs:
+            _, late = await asyncio.wait([asyncio.create_task(p.wait()) for p in procs], timeout=margin + 1.0)
+            for proc in procs:
+                if proc.returncode is None:
+                    log.error("edge pid %d did not exit in time; killing it", proc.pid)
+                    proc.kill()
+            if late:
+                await asyncio.wait(late, timeout=2.0)
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        if self._unix is not None:
+            self._unix.close()
+        self.threads.close()
+        if metrics_down is not None:
+            await metrics_down
+            self._httpd.server_close()
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(None)
+
+
+def _fields(config: ServiceConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+async def serve_with_edges(config: ServiceConfig) -> int:
+    """Run the model process until SIGTERM/SIGINT; returns the exit code."""
+    directory = Path(tempfile.mkdtemp(prefix="attention-service-"))
+    try:
+        (directory / "metrics").mkdir()
+        enable_multiprocess_metrics(directory / "metrics")
+        return await _serve(config, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _serve(config: ServiceConfig, directory: Path) -> int:
+    try:
+        holder, port, lock = reserve_port(config.host, config.port)
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    with holder, lock:
+        try:
+            host = ModelHost(config, directory, port)
+        except (RuntimeError, ValueError, OSError) as exc:
+            log.error("cannot start: %s", exc)
+            return 1
+        loop = asyncio.get_running_loop()
+        signals: asyncio.Queue[int] = asyncio.Queue()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        try:
+            await host.start()
+        except OSError as exc:
+            log.error("cannot start: %s", exc)
+            return 1
+        log.info("port %s:%d held for %d edge processes, metrics on :%d; loading the model", config.host, port,
+                 config.edge_processes, host.metrics_port)
+        assert host.startup is not None
+        waiter = asyncio.create_task(signals.get())
+        failed = asyncio.create_task(host.failed.wait())
+        watched: set[asyncio.Future[Any]] = {waiter, failed, host.startup}
+        while not (waiter.done() or failed.done()):  # a start-up that succeeds ends neither
+            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if host.startup.done() and not host.startup.cancelled() and host.startup.exception() is not None:
+                log.error("start-up failed: %s", host.startup.exception())
+                waiter.cancel()
+                failed.cancel()
+                await host.stop(0)
+                return 1
+            watched.discard(host.startup)
+        if failed.done():
+            waiter.cancel()
+            await host.stop()
+            log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
+            return 1
+        failed.cancel()
+        signum = await waiter
+        log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
+        stopping = asyncio.create_task(host.stop())
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+        if not stopping.done():
+            log.info("second signal: stopping now")
+            stopping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopping
+            await host.stop(0)  # DRAIN 0: the edges stop at once too
+        second.cancel()
+        log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
+        for _ in range(20):
+            if not host.threads.alive:
+                return 0
+            await asyncio.sleep(0.01)
+        log.warning("the model thread is still in a forward; exiting without waiting for it")
+        logging.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)
+        os._exit(0)
