@@ -23,8 +23,9 @@ states back in float32, `c` callers over `min(k, c)` connections for each concur
 count. Rounds interleave the variants (order rotated per point and round), so the machine's drift
 falls on all alike. Per point and variant: calls/s, p50/p99, and CPU per call: the server (all
 threads of its process and of any process under it, and its main thread, the event loop, from /proc,
-warm-up calls included) and the load generator (this process, measured calls). `ratio` is the
-service's calls/s over floor-aio's, per round.
+warm-up calls included; with `--server-flag=--edge-processes=N` that main thread is the model
+process's, and the edge processes count in the server's total) and the load generator (this process,
+measured calls). `ratio` is the service's calls/s over floor-aio's, per round.
 
 `--profile` adds one slice per profiled concurrency (64 by default) with py-spy sampling the service
 process (`py-spy record --native`, non-idle samples only, so the counts are CPU), and splits its
