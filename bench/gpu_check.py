@@ -1,9 +1,9 @@
 """`make gpu-check`: the GPU checks of the performance issue in one bounded, non-interactive run.
 
     make gpu-check [GPU_PYTHON=python3] [GPU_CHECK_ARGS=--quick]    # = $(GPU_PYTHON) -m bench.gpu_check
-    python3 -m bench.gpu_check [--quick] [--out DIR] [--budget-s 450]   # python3: one whose torch has CUDA
+    python3 -m bench.gpu_check [--quick] [--out DIR] [--budget-s 450] [--minilm DIR]   # a python with CUDA torch
 
-Three phases inside --budget-s (450 s by default: about 8 minutes with start-up), each with its own
+Four phases inside --budget-s (450 s by default: about 8 minutes with start-up), each with its own
 deadline; a phase that fails or runs out of time is recorded, and the next one still runs:
   tests    `pytest -m gpu tests/test_gpu.py`: fp16/bf16 vs fp32, SDPA backends vs the explicit path, flash on
            unpadded batches, NaN recovery and out-of-memory splits through the service on CUDA. (The rest of
@@ -16,22 +16,30 @@ deadline; a phase that fails or runs out of time is recorded, and the next one s
   service  (bench/gpu_load.py) `python -m service` on that bundle (cuda, bf16) under closed-loop load
            (client.bench.run_load) from several spawned load-generator processes (their CPU seconds per
            second are reported), lengths fixed at 128 and 512, mean-pooled outputs, at concurrency 64
-           (1 process and all), 16 and 256, and 64 returning hidden states.
+           (1 process and all), 16 and 256, and 64 returning hidden states. It ends 20% of the budget before
+           the end when the minilm phase will run.
+  minilm   (bench/gpu_minilm.py) all-MiniLM-L6-v2 from the fp16 copy in --minilm (.whl/minilm-fp16, written by
+           `make gpu-minilm`), converted on the spot to an fp32 bundle: exactness against the committed
+           sentence-transformers references (tests/data) in fp32 (min cosine >= 0.99999), fp16 and bf16 on the
+           device; texts through the service at concurrency 64, 16, 1 against the in-process ceiling; 16-token
+           calls/s at 64 and 256 callers. Without the folder it is not run (results.json "not_run"; not a failure).
 The summary table is printed last; results.json, results.md, pytest_gpu.log and server.log go to --out ($OUT
 when set, else bench/out/gpu). Targets, reported and not enforced: at length 512 the model reaches 40% of the
 matmul rate, and the service at concurrency 64 reaches 0.8 of the model's ceiling within its batch limits.
 Exit status: 0 every phase ran, 1 a phase or a CUDA test failed, 2 no CUDA, 3 a dependency is missing.
 
 On the project's H200 machines (python3 3.12 with CUDA torch 2.11, hypothesis, numpy, tqdm; no network):
-`make gpu-wheels` here downloads into .whl/ (ignored by git, about 15 MB) the wheels it lacks, pinned as
-requirements*.txt. Then one device call, carry [".whl"], timeout_s 540 (one run fits in the 15 minutes
-with the machine's start; no rerun does, so a retry is `--quick`, 240 s):
+`make gpu-wheels` here downloads into .whl/ (ignored by git) the wheels it lacks, pinned as requirements*.txt
+(20 MB), and writes .whl/minilm-fp16 (38 MB; `make gpu-minilm` alone rewrites it): .whl and the tracked tree
+came to 59.5 MiB of the 64 MiB a device call carries (2026-12-01; gpu-minilm fails when they do not fit).
+Then one device call, carry [".whl"], timeout_s 540 (one run fits in the 15 minutes with the machine's
+start; no rerun does, so a retry is `--quick`, 240 s):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \\
-        .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 && python3 -m bench.gpu_check
+        .whl/*.whl && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 && python3 -m bench.gpu_check
 Elsewhere, online: the dependencies are requirements.txt without torch, and pytest-asyncio, pytest-timeout
 and hypothesis. Nothing is installed by this script; what is missing is named (exit 3). pytest runs with the
 project's plugins only (PYTEST_DISABLE_PLUGIN_AUTOLOAD), whatever else the image holds.
-CPU smoke test (tests/test_gpu_check.py): --device cpu --quick --preset tiny.
+CPU smoke test (tests/test_gpu_check.py): --device cpu --quick --preset tiny (and the minilm phase on CPU).
 """
 
 from __future__ import annotations
@@ -52,12 +60,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu_load import phase_service, service_table
+from bench.gpu_minilm import FOLDER, minilm_table, phase_minilm, summary_rows
 from bench.gpu_model import PRESETS, ceiling, cell, fmt, model_table, phase_model
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "google.rpc",
             "prometheus_client", "numpy", "tqdm", "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis",
-            "tritonclient.grpc")  # the KServe v2 front door's stubs (service/kserve.py)
+            "tritonclient.grpc",  # the KServe v2 front door's stubs (service/kserve.py)
+            "tokenizers", "safetensors")  # text bundles; convert-hf (the minilm phase)
+MINILM_SHARE = 0.2  # of the budget, kept for the minilm phase when its folder is there
 # The project's pytest plugins and no others (a GPU image may hold xdist, cov, benchmark ...).
 PYTEST = ("-q", "-p", "no:cacheprovider", "-p", "pytest_asyncio.plugin", "-p", "pytest_timeout",
           "-p", "_hypothesis_pytestplugin")
@@ -195,6 +206,7 @@ def summary_table(results: dict[str, Any], args: argparse.Namespace) -> list[str
             rows.append((f"service T={lengths[0]}, c{c}, {args.edge_processes} edge procs",
                          f"{many['sequences_per_s']:.1f} seq/s = {many['sequences_per_s'] / one['sequences_per_s']:.2f}"
                          f"x one process ({one['sequences_per_s']:.1f})", "info", "-"))
+    rows += summary_rows(phases.get("minilm", {}), results.get("not_run", {}).get("minilm"))
     rows.append(("phases", ", ".join(f"{k} {v['status']} {v.get('seconds', 0):.0f} s" for k, v in phases.items()),
                  "all ok", verdict(all(v["status"] == "ok" for v in phases.values()))))
     rows += [(f"{k} phase", cell(v["error"]), "", "") for k, v in phases.items() if v.get("error")]
@@ -203,7 +215,10 @@ def summary_table(results: dict[str, Any], args: argparse.Namespace) -> list[str
 
 
 def detail_tables(results: dict[str, Any]) -> list[str]:
-    return model_table(results["phases"].get("model", {})) + service_table(results["phases"].get("service", {}))
+    phases = results["phases"]
+    return model_table(phases.get("model", {})) + service_table(phases.get("service", {})) + minilm_table(
+        phases.get("minilm", {}))
+
 
 
 def write_results(results: dict[str, Any], args: argparse.Namespace) -> str:
@@ -258,6 +273,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="load-generator processes (default: a third of the cores, at most 5)")
     parser.add_argument("--duration", type=float, default=None, help="measured seconds per load run (5, quick 2)")
     parser.add_argument("--warmup", type=float, default=None, help="warm-up seconds per load run (2, quick 1)")
+    parser.add_argument("--minilm", type=Path, default=FOLDER, help="the fp16 copy of all-MiniLM-L6-v2 (`make "
+                        f"gpu-minilm`); the phase is skipped when it is missing [default {FOLDER.relative_to(ROOT)}]")
     parser.add_argument("--edge-processes", type=int, default=None,
                         help="also measure the service with this many edge processes against one process, at c64 "
                              "and c256 (default 8 on cuda, 0 = skip; the cpu smoke test skips it)")
@@ -294,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
                   lambda d, r: phase_tests(args, d, r))
         model = run_phase(results, args, "model", min(time.monotonic() + 0.22 * args.budget_s,
                                                       end - 0.32 * args.budget_s), lambda d, r: phase_model(args, d, r))
-        run_phase(results, args, "service", end - 5, lambda d, r: phase_service(args, d, r, model))
+        minilm = (args.minilm / "fp16.json").is_file()
+        run_phase(results, args, "service", end - (MINILM_SHARE * args.budget_s if minilm else 5),
+                  lambda d, r: phase_service(args, d, r, model))
+        if minilm:
+            run_phase(results, args, "minilm", end - 5, lambda d, r: phase_minilm(args, d, r))
+        else:  # not a phase that failed: nothing to run it on
+            results["not_run"] = {"minilm": f"no {args.minilm / 'fp16.json'} (make gpu-minilm writes it)"}
     finally:  # also on SIGTERM
         write_results(results, args)
         print("\n".join([*detail_tables(results), "", *summary_table(results, args)]))

@@ -32,8 +32,9 @@ def _load_worker(queue: Any, barrier: Any, kwargs: dict[str, Any]) -> None:
 
 
 def drive(target: str, concurrency: int, procs: int, length: int, output: str, args: argparse.Namespace,
-          connections: int = 1) -> dict[str, Any]:
-    """Closed-loop load from `procs` processes sharing `concurrency` callers; their reports merged."""
+          connections: int = 1, **load: Any) -> dict[str, Any]:
+    """Closed-loop load from `procs` processes sharing `concurrency` callers; their reports merged. `load`:
+    more run_load arguments, or ones that replace these (texts=..., pooling="model")."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
     shares = [s for s in (concurrency // procs + (i < concurrency % procs) for i in range(procs)) if s]
     queue, barrier = ctx.Queue(), ctx.Barrier(len(shares))
@@ -41,7 +42,7 @@ def drive(target: str, concurrency: int, procs: int, length: int, output: str, a
         target=target, concurrency=share, duration_s=args.duration, warmup_s=args.warmup, lengths=(length, length),
         seed=1000 * i + length, pooling="mean" if output == "pooled" else "none", return_hidden=output != "pooled",
         connections=connections,
-    ))) for i, share in enumerate(shares)]
+    ) | load)) for i, share in enumerate(shares)]
     for w in workers:
         w.start()
     parts: list[dict[str, Any]] = []

@@ -46,19 +46,23 @@ def make_texts(n: int, seed: int = 0) -> list[str]:
 class Ceiling:
     """Tokenize + forward in process, length-sorted batches under a token budget (padded B x T)."""
 
-    def __init__(self, bundle: Path, texts: list[str], threads: int) -> None:
-        torch.set_num_threads(threads)
-        loaded = load_bundle(bundle)
-        assert loaded.tokenizer is not None, f"{bundle} is not a text bundle"
-        self._module, self._tokenizer, self._texts = loaded.module, loaded.tokenizer, texts
+    def __init__(self, bundle: Path, texts: list[str], threads: int, device: str = "cpu",
+                 precision: str = "fp32") -> None:
+        from service.device import DTYPES
 
-    def run(self, budget: int) -> float:
-        """Sequences/s for the whole set: tokenize, sort, batch, forward, pool, normalise."""
+        torch.set_num_threads(threads)
+        loaded = load_bundle(bundle, device=device, dtype=DTYPES[precision])
+        assert loaded.tokenizer is not None, f"{bundle} is not a text bundle"
+        self._module, self._tokenizer, self._texts, self._device = loaded.module, loaded.tokenizer, texts, device
+
+    def run(self, budget: int, max_batch: int | None = None) -> float:
+        """Sequences/s for the whole set: tokenize, sort, batch (at most `max_batch` rows), forward, pool,
+        normalise, back on the host."""
         started = time.perf_counter()
         encoded = sorted(self._tokenizer.encode(self._texts, truncate=True), key=lambda e: len(e.ids))
         batches: list[list[Any]] = [[]]
         for enc in encoded:
-            if batches[-1] and (len(batches[-1]) + 1) * len(enc.ids) > budget:
+            if batches[-1] and ((len(batches[-1]) + 1) * len(enc.ids) > budget or len(batches[-1]) == max_batch):
                 batches.append([])
             batches[-1].append(enc)
         with torch.inference_mode():
@@ -67,11 +71,11 @@ class Ceiling:
                 ids = torch.zeros(len(batch), T, dtype=torch.int64)
                 for row, enc in enumerate(batch):
                     ids[row, : len(enc.ids)] = torch.from_numpy(enc.ids)
-                lengths = torch.tensor([len(e.ids) for e in batch])
-                hidden = self._module(ids, None, lengths, False, [])[0].float()
-                real = torch.arange(T)[None, :, None] < lengths[:, None, None]
+                lengths = torch.tensor([len(e.ids) for e in batch]).to(self._device)
+                hidden = self._module(ids.to(self._device), None, lengths, False, [])[0].float()
+                real = torch.arange(T, device=self._device)[None, :, None] < lengths[:, None, None]
                 mean = torch.where(real, hidden, 0.0).sum(1) / lengths[:, None]
-                torch.nn.functional.normalize(mean, dim=-1).numpy()
+                torch.nn.functional.normalize(mean, dim=-1).cpu().numpy()
         return len(self._texts) / (time.perf_counter() - started)
 
     def search(self) -> tuple[int, float]:

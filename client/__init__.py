@@ -26,6 +26,7 @@ from client.messages import (
     ResponseMetadata,
     StreamRequest,
     TextInfo,
+    Tokenized,
 )
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "StreamRequest",
     "SyncEncoderClient",
     "TextInfo",
+    "Tokenized",
     "Unauthenticated",
     "Unavailable",
     "channel_options",

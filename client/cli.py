@@ -1,4 +1,4 @@
-"""`python -m client`: encode, info, health, plot (attention heatmap) and bench (closed-loop load).
+"""`python -m client`: encode, tokenize, info, health, plot (attention heatmap) and bench (closed-loop load).
 
 Exit codes: 0 ok; 1 the server refused or failed (the status is printed on stderr), or not
 SERVING for `health`; 2 bad usage or an unreadable input file.
@@ -169,6 +169,21 @@ def cmd_encode(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    if not args.text:
+        raise UsageError("give at least one --text")
+    with _client(args) as client:
+        texts = client.tokenize(args.text, prompt_name=args.prompt, truncate=args.truncate)
+    if args.json:
+        print(json.dumps([{**asdict(t), "token_count": t.token_count} for t in texts], ensure_ascii=False))
+        return 0
+    for i, t in enumerate(texts):
+        cut = ", truncated" if t.truncated else ""
+        print(f"text[{i}]: {t.token_count} tokens{cut}\n  tokens {' '.join(t.tokens)}\n  ids    "
+              f"{' '.join(map(str, t.ids))}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     with _client(args) as client:
         info = client.model_info()
@@ -315,7 +330,7 @@ def _input_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m client", description="Command-line client of the attention "
-                                     "encoder service: encode, info, health, plot, bench.")
+                                     "encoder service: encode, tokenize, info, health, plot, bench.")
     add_connection_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     dtypes = sorted(k for k in DTYPES if "float" in k)
@@ -349,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write .npy (one array), .npz or .json instead of printing")
     p.add_argument("--preview", type=int, default=4, help="values shown per array")
     p.set_defaults(run=cmd_encode)
+
+    p = command("tokenize", "the token ids and tokens the served model's tokenizer gives texts (no forward)")
+    p.add_argument("--text", action="append", metavar="TEXT", help="one text; repeat for several")
+    p.add_argument("--prompt", default="", help="one of the model's named prompts (python -m client info)")
+    p.add_argument("--truncate", action="store_true", help="cut text over the model's token limit")
+    p.add_argument("--json", action="store_true", help="as JSON: ids, tokens, token_count, truncated per text")
+    p.set_defaults(run=cmd_tokenize)
 
     p = command("info", "print the model info and limits")
     p.add_argument("--json", action="store_true", help="as JSON")

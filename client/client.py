@@ -42,6 +42,7 @@ from client.messages import (
     Pooling,
     Sequences,
     StreamRequest,
+    Tokenized,
     build_request,
 )
 from proto.attention.v1 import attention_pb2 as pb
@@ -201,6 +202,19 @@ class EncoderClient(_Base):
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return response
+
+    async def tokenize(self, texts: Sequence[str], *, prompt_name: str = "", truncate: bool = False,
+                       timeout: float | None = None) -> list[Tokenized]:
+        """`texts` as the served model's tokenizer turns them into ids, exactly as `encode` would (the
+        same prompt, limits and errors), without running the model. A model without a tokenizer, or a
+        text over its token limit without `truncate`, raises `InvalidArgument` naming texts[i]."""
+        self._open()
+        request = pb.TokenizeRequest(texts=list(texts), prompt_name=prompt_name, truncate=truncate)
+        try:
+            response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return Tokenized.many_from_proto(response)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model, its precision and device, and the per-call limits."""
@@ -399,6 +413,16 @@ class SyncEncoderClient(_Base):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         return EncodeResult.from_proto(response)
+
+    def tokenize(self, texts: Sequence[str], *, prompt_name: str = "", truncate: bool = False,
+                 timeout: float | None = None) -> list[Tokenized]:
+        """See `EncoderClient.tokenize`."""
+        request = pb.TokenizeRequest(texts=list(texts), prompt_name=prompt_name, truncate=truncate)
+        try:
+            response = self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return Tokenized.many_from_proto(response)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """See `EncoderClient.model_info`."""

@@ -266,3 +266,20 @@ class ModelInfo:
         return cls(m.name, m.version, m.checksum, int(m.d_model), int(m.n_heads), int(m.n_layers),
                    int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text,
                    float(m.attention_scale), bool(m.standard_scale), m.relative_bias or "none")
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """One text as the served model's tokenizer cuts it (`attention.v1.TokenizedText`)."""
+
+    ids: list[int]  # [CLS] ... [SEP] included: the ids Encode runs
+    tokens: list[str]
+    truncated: bool  # cut to the model's token limit (tokenize(..., truncate=True))
+
+    @property
+    def token_count(self) -> int:
+        return len(self.ids)
+
+    @classmethod
+    def many_from_proto(cls, m: pb.TokenizeResponse) -> list[Tokenized]:
+        return [cls(list(t.ids), list(t.tokens), bool(t.truncated)) for t in m.texts]

@@ -25,10 +25,11 @@ Failure handling, per batch:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -165,17 +166,22 @@ class Runner:
         assert error is not None
         return self._run_split(launched.jobs, error), self._busy_since(launched.started)
 
-    def after_batch(self, jobs: list[Job]) -> None:
-        """On a model thread, after a batch's results were handed to its callers: every
-        1/diagnostics_sample-th batch (a deterministic credit, not a coin, so 1 samples every batch)
-        is re-run through the bundle's `diagnostics` (all layers explicit, the serving dtype) and the
-        per-layer attention health goes to the observer. Never raises: a failure is logged, the
-        callers already have their answers."""
+    def after_batch(self, jobs: list[Job]) -> Callable[[], None] | None:
+        """On a model thread, after each batch: every 1/diagnostics_sample-th batch (a deterministic
+        credit, not a coin, so 1 samples every batch) gets its sample, which the batcher runs once the
+        batch's results are handed to its callers (service/batching/batcher.py); the other batches
+        get None, at the cost of one locked addition."""
         with self._sample_lock:
             self._sample_credit += self._config.diagnostics_sample
             if self._sample_credit < 1.0:
-                return
+                return None
             self._sample_credit -= 1.0
+        return functools.partial(self._sample, jobs)
+
+    def _sample(self, jobs: list[Job]) -> None:
+        """Re-run the batch through the bundle's `diagnostics` (all layers explicit, the serving dtype);
+        the per-layer attention health goes to the observer. Never raises: a failure is logged, the
+        callers already have their answers."""
         try:
             stats = self._diagnose(jobs)
         except Exception:  # noqa: BLE001 - diagnostics must never hurt serving

@@ -19,11 +19,11 @@ from proto.attention.v1.wire import SERVICE_NAME, fill_tensor
 from service.batching import Done
 from service.chunking import stitch_all
 from service.edge import Edge, parse, public, remaining
-from service.errors import NonFiniteInput, ServiceError, status_of
+from service.errors import InvalidInput, NonFiniteInput, ServiceError, status_of
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_representable
-from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, validate
+from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, tokenize, validate
 
 
 class AttentionServicer:
@@ -50,6 +50,18 @@ class AttentionServicer:
             return data
 
         return await self._edge.answer("GetModelInfo", context, work)
+
+    async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = parse(pb.TokenizeRequest, raw)
+            if sum(len(t) for t in request.texts) > TOKENIZE_INLINE_CHARS:
+                response = await asyncio.to_thread(self._tokenize, request)  # beside the loop, as _encode does
+            else:
+                response = self._tokenize(request)
+            data: bytes = response.SerializeToString()
+            return data
+
+        return await self._edge.answer("Tokenize", context, work)
 
     async def encode_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -93,6 +105,21 @@ class AttentionServicer:
         check_representable(outputs, plan.output_dtype, plan.attention_dtype)
         return _response(plan, done, outputs, spec)
 
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Encode's own tokenization (service/validation.py `tokenize`: limits, prompt, truncation, errors)."""
+        spec, _ = self._edge.serving.require_ready()
+        n = len(request.texts)
+        if not 1 <= n <= self._config.max_sequences_per_call:
+            raise InvalidInput("texts", f"must hold 1..{self._config.max_sequences_per_call} texts; got {n}")
+        encoded = tokenize(request.texts, spec, self._config, fields=[f"texts[{i}]" for i in range(n)],
+                           truncate=request.truncate, prompt_name=request.prompt_name, all_field="texts",
+                           prompt_field="prompt_name")
+        response = pb.TokenizeResponse()
+        for enc in encoded:
+            text = response.texts.add(token_count=len(enc.ids), truncated=enc.truncated, tokens=enc.tokens)
+            text.ids.extend(enc.ids.tolist())
+        return response
+
     def _model_info(self) -> pb.ModelInfo:
         spec, _ = self._edge.serving.require_ready()
         c = self._config
@@ -122,6 +149,7 @@ class AttentionServicer:
             "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=serialize),
             "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream, response_serializer=serialize),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=serialize),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(self.tokenize, response_serializer=serialize),
         })
 
 

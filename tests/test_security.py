@@ -177,6 +177,7 @@ async def test_every_method_but_health_needs_a_token(start_server):
 
     assert len([r async for r in reflection.ServerReflectionInfo(ask(), metadata=good, timeout=10)]) == 1
     for call in (lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10),
+                 lambda: stub.Tokenize(pb.TokenizeRequest(texts=["a"]), timeout=10),
                  lambda: _drain(stub.EncodeStream(no_messages(), timeout=10)),
                  lambda: _drain(reflection.ServerReflectionInfo(no_messages(), timeout=10)),
                  lambda: s.channel.unary_unary(f"/{SERVICE_NAME}/NoSuchMethod")(b"", timeout=10)):

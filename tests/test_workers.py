@@ -1,5 +1,6 @@
 """Several model workers (service/batching/batcher.py docstring, "Workers"): a batch that runs alone is
-wide and runs on the lead; a backlog runs narrow batches side by side; only the lead runs setup calls.
+wide and runs on the lead; a backlog runs narrow batches side by side; only the lead runs setup calls;
+a batch's side work (`after_batch`: attention health) runs after its answers, narrow, as if still running.
 
 A fake `execute` with a gate holds the model threads, so what runs at once is exact, not timed.
 """
@@ -11,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -75,13 +77,15 @@ class Widths:
 async def two_workers():
     made: list[tuple[Batcher[int], ModelThreads]] = []
 
-    def make(clock: Callable[[], float] = time.monotonic, **limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
+    def make(clock: Callable[[], float] = time.monotonic, after_batch: Any = None,
+             **limits: float) -> tuple[TwoLaneModel, Batcher[int]]:
         model = TwoLaneModel()
         model.widths = Widths()  # type: ignore[attr-defined]
         threads = ModelThreads(2)
         threads.start()
         batcher: Batcher[int] = Batcher(FunctionRunner(model, model.set_wide), BatchLimits(**limits), threads,
-                                        observer=model.widths, clock=clock)  # type: ignore[attr-defined]
+                                        observer=model.widths, clock=clock,  # type: ignore[attr-defined]
+                                        after_batch=after_batch)
         batcher.start()
         made.append((batcher, threads))
         return model, batcher
@@ -192,3 +196,36 @@ async def test_a_follower_wakes_for_a_lone_call_while_the_lead_runs_narrow(two_w
     assert sorted([(await item.future).output for item in pair]) == [0, 2]
     assert {(name, wide) for name, wide, _ in model.batches} == {("model-runner-0", False), ("model-runner-1", False)}
     assert [name for name, _, batch in model.batches if batch == [2]] == ["model-runner-1"]
+
+
+async def test_side_work_runs_after_the_answers_narrow_and_a_lone_call_goes_to_the_follower(two_workers):
+    """The sampled batch's callers are answered before its side work starts; meanwhile the lead counts as busy
+    (narrow), so a lone call goes to the follower instead of waiting for the lead. Side work that fails is
+    logged and the loop goes on; a batch without side work is retired as before (the next lone call is wide)."""
+    side_gate, sides = threading.Event(), []
+
+    def work(payloads: list[int]) -> None:
+        sides.append((threading.current_thread().name, model._wide[threading.current_thread().name], payloads))
+        if payloads == [4]:
+            raise RuntimeError("side work failed")
+        assert side_gate.wait(10), "the test never opened the side gate"
+
+    def after_batch(payloads: list[int]) -> Callable[[], None] | None:
+        return (lambda: work(payloads)) if payloads in ([1], [4]) else None
+
+    model, batcher = two_workers(after_batch=after_batch)
+    model.gate.set()
+    assert (await asyncio.wait_for(batcher.submit([req(1)], far())[0].future, 10)).output == 2
+    await wait_for(lambda: sides, 10, "the side work to start")
+    assert not batcher.idle  # the batch still runs: its thread is busy
+    assert (await asyncio.wait_for(batcher.submit([req(2)], far())[0].future, 10)).output == 4
+    assert sides == [("model-runner-0", False, [1])]
+    side_gate.set()
+    await wait_for(lambda: batcher.idle, 10, "the side work to end")
+    for i in (3, 4, 5):
+        assert (await asyncio.wait_for(batcher.submit([req(i)], far())[0].future, 10)).output == 2 * i
+        await wait_for(lambda: batcher.idle, 10, "the batch (and its side work) to end")
+    assert model.batches == [("model-runner-0", True, [1]), ("model-runner-1", False, [2]),
+                             ("model-runner-0", True, [3]), ("model-runner-0", True, [4]),
+                             ("model-runner-0", True, [5])]
+    assert [s[2] for s in sides] == [[1], [4]]

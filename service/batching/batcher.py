@@ -31,9 +31,12 @@ The contract (held by tests/test_batcher.py):
 - `aclose()` fails what is still queued with `ShuttingDown` and lets the running batch(es) finish;
   with `join_timeout`, batches still running after that long are failed with `ShuttingDown` too,
   so a caller waiting on a stuck model still gets an answer.
-- `after_batch(payloads)`, when given, runs on the model thread after each batch's results are handed
-  to the event loop (the service samples attention health there, service/runner.py): off the callers'
-  latency, before that thread's next batch. An exception from it is logged and the loop lives on.
+- `after_batch(payloads)`, when given, is asked on the model thread after each batch whether there is side
+  work for it (the service samples attention health so, service/runner.py): None, or a callable run on that
+  thread once the batch's results are handed to the event loop (off the callers' latency). While it runs,
+  the batch still counts as running, narrow (the thread is busy: what queues meanwhile goes to the
+  followers beside it, and a lone call is not left waiting for the lead); a batch without side work is
+  retired before its results go out, as always. An exception from either is logged and the loop lives on.
 - The runner's `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError`
   per item, and the forward's time. An exception from it fails only that batch's items (as
   `ModelFailure`), and the loop lives on.
@@ -77,7 +80,7 @@ class Batcher(Generic[P]):
         observer: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
         make_queue: Callable[[BatchLimits], BatchQueue[P]] = BatchQueue,
-        after_batch: Callable[[list[P]], None] | None = None,
+        after_batch: Callable[[list[P]], Callable[[], None] | None] | None = None,
     ) -> None:
         self._runner = runner
         self._after_batch = after_batch
@@ -303,25 +306,54 @@ class Batcher(Generic[P]):
                  run: Callable[[], tuple[Sequence[Any], float]]) -> None:
         """Run the batch's computation, retire it, and resolve its futures, whatever happens. Retired
         first: a caller's next request, which can follow its answer at once, must find the batch gone
-        (or a follower would take a lone batch narrow, see `_next_batch`)."""
+        (or a follower would take a lone batch narrow, see `_next_batch`). A batch with side work is
+        retired after it instead (`_run_side_work`): its thread is still busy."""
         outcomes: list[tuple[asyncio.Future[Done], Any]] = []
+        side: Callable[[], None] | None = None
         try:
             outcomes = self._outcomes(batch, started, run)
+            if self._after_batch is not None:  # off (attention health unsampled): this test is all it costs
+                side = self._side_work(batch, self._after_batch)
         finally:
-            with self._cond:
-                done = set(batch)
-                self._running = [item for item in self._running if item not in done]
-                self._busy = bool(self._running)
-                if self._wide is batch:
-                    self._wide = None
-                    self._wake()  # the followers may start on what queued meanwhile
+            if side is None:
+                self._retire(batch)
         self._settle_all(outcomes)
-        if self._after_batch is not None:
-            # The callers have their answers (handed to the loop above); this thread's next batch waits.
-            try:
-                self._after_batch(_payloads(batch))
-            except Exception:  # noqa: BLE001 - side work must not end the loop
-                log.exception("after_batch failed on a batch of %d", len(batch))
+        if side is not None:
+            self._run_side_work(batch, side)
+
+    def _retire(self, batch: list[Item[P]]) -> None:
+        with self._cond:
+            done = set(batch)
+            self._running = [item for item in self._running if item not in done]
+            self._busy = bool(self._running)
+            if self._wide is batch:
+                self._wide = None
+                self._wake()  # the followers may start on what queued meanwhile
+
+    def _side_work(self, batch: list[Item[P]], after_batch: Callable[[list[P]], Callable[[], None] | None]
+                   ) -> Callable[[], None] | None:
+        try:
+            return after_batch(_payloads(batch))
+        except Exception:  # noqa: BLE001 - side work must not end the loop
+            log.exception("after_batch failed on a batch of %d", len(batch))
+            return None
+
+    def _run_side_work(self, batch: list[Item[P]], side: Callable[[], None]) -> None:
+        """The callers have their answers (handed to the loop above). The batch stays running until the side
+        work is done, narrow: a wide batch gives its threads back first, so the followers start on what
+        queued meanwhile beside this thread rather than after it (or beside it with every core)."""
+        with self._cond:
+            if self._wide is batch:
+                self._wide = None
+                self._wake()
+        try:
+            if len(self._threads) > 1:
+                self._runner.set_wide(False)
+            side()
+        except Exception:  # noqa: BLE001 - side work must not end the loop
+            log.exception("after_batch's work failed on a batch of %d", len(batch))
+        finally:
+            self._retire(batch)
 
     def _outcomes(self, batch: list[Item[P]], started: float,
                   run: Callable[[], tuple[Sequence[Any], float]]) -> list[tuple[asyncio.Future[Done], Any]]:

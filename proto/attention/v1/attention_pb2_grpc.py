@@ -49,6 +49,11 @@ class AttentionServiceStub:
                 request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/attention.v1.AttentionService/Tokenize',
+                request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -75,6 +80,14 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenize texts with the served model's tokenizer, exactly as Encode would (TEI's /tokenize): the same
+        ids, limits and errors, and no forward. A model without a tokenizer answers INVALID_ARGUMENT (texts[0]).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +105,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.GetModelInfoRequest.FromString,
                     response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.ModelInfo.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeRequest.FromString,
+                    response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +193,33 @@ class AttentionService:
             '/attention.v1.AttentionService/GetModelInfo',
             proto_dot_attention_dot_v1_dot_attention__pb2.GetModelInfoRequest.SerializeToString,
             proto_dot_attention_dot_v1_dot_attention__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/Tokenize',
+            proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeRequest.SerializeToString,
+            proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
