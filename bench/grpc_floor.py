@@ -3,6 +3,9 @@ grpc.aio caller above the handler's own wait. The bar the service's concurrency-
 
     python -m bench.grpc_floor [--rounds 6] [--calls 1500] [--wait-ms 0 9] [--servers aio sync]
 
+`FloorServer` is the other floor (bench/edge_bench.py's): a bare server of either kind answering
+fixed bytes per method, at once, with no work at all.
+
 Each server is a generic handler returning a 128 KiB bytes payload (the size of 128 x 256 float32
 hidden states) in a fresh process on 127.0.0.1; `aio` is a grpc.aio server whose handler awaits a
 worker thread, `sync` a `grpc.server` with a thread pool whose handler waits on a worker thread. The
@@ -75,6 +78,86 @@ def _serve(kind: str, wait_s: float, ports: Any) -> None:
         asyncio.run(_serve_aio(wait_s, ports))
     else:
         _serve_sync(wait_s, ports)
+
+
+def _answers_handlers(answers: dict[str, bytes], behaviour: Any) -> list[grpc.GenericRpcHandler]:
+    """One generic handler per service of `answers` ("/pkg.Service/Method" -> response bytes)."""
+    services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+    for path, payload in answers.items():
+        service, method = path.lstrip("/").split("/")
+        services.setdefault(service, {})[method] = grpc.unary_unary_rpc_method_handler(
+            behaviour(payload), _identity, _identity)
+    return [grpc.method_handlers_generic_handler(name, methods) for name, methods in services.items()]
+
+
+async def _answer_aio(answers: dict[str, bytes], ports: Any, hop: bool) -> None:
+    pool = ThreadPoolExecutor(1)
+
+    def behaviour(payload: bytes) -> Any:
+        async def call(request: bytes, context: Any) -> bytes:
+            return payload
+
+        async def call_hop(request: bytes, context: Any) -> bytes:
+            return await asyncio.wrap_future(pool.submit(_identity, payload))
+        return call_hop if hop else call
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(_answers_handlers(answers, behaviour))
+    ports.put(server.add_insecure_port("127.0.0.1:0"))
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _answer_sync(answers: dict[str, bytes], ports: Any, threads: int) -> None:
+    def behaviour(payload: bytes) -> Any:
+        def call(request: bytes, context: Any) -> bytes:
+            return payload
+        return call
+
+    server = grpc.server(ThreadPoolExecutor(threads))
+    server.add_generic_rpc_handlers(_answers_handlers(answers, behaviour))
+    ports.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def _answer(kind: str, answers: dict[str, bytes], ports: Any, threads: int) -> None:
+    if kind in ("aio", "aio-hop"):
+        asyncio.run(_answer_aio(answers, ports, hop=kind == "aio-hop"))
+    else:
+        _answer_sync(answers, ports, threads)
+
+
+class FloorServer:
+    """A bare gRPC server in a fresh process on 127.0.0.1 that answers each method of `answers`
+    ("/pkg.Service/Method" -> response bytes) with its bytes at once, doing nothing else: what Python
+    gRPC alone costs per call. `kind` "aio" is a grpc.aio server; "aio-hop" the same whose handler
+    awaits the bytes from a worker thread (the hand-off every service call makes to its model thread,
+    one per call here); "sync" a `grpc.server` whose handlers run on a pool of `threads`. `stop()` kills it."""
+
+    def __init__(self, kind: str, answers: dict[str, bytes], *, threads: int = 8, timeout: float = 60.0) -> None:
+        if kind not in ("aio", "aio-hop", "sync"):
+            raise ValueError(f"kind must be aio, aio-hop or sync; got {kind!r}")
+        context = mp.get_context("spawn")
+        ports: Any = context.Queue()
+        self.kind = kind
+        self.proc = context.Process(target=_answer, args=(kind, answers, ports, threads), daemon=True)
+        self.proc.start()
+        try:
+            self.target = f"127.0.0.1:{ports.get(timeout=timeout)}"
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join()
 
 
 async def _p50_ms(port: int, calls: int, warmup: int = 50) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
@@ -72,6 +73,9 @@ class Metrics:
             registry=r, multiprocess_mode="max")
         self.requests = Counter(
             "attention_requests_total", "Calls by method and gRPC code", ["method", "code"], registry=r)
+        # Children looked up once: `labels()` takes a lock and builds a key on every call (issue 22).
+        # Safe because no series is ever removed.
+        self._request_children: dict[tuple[str, str], tuple[Any, Any]] = {}
         for method in METHODS:
             self.requests.labels(method, "INTERNAL")
         self.sequences = Counter("attention_sequences_total", "Sequences encoded successfully", registry=r)
@@ -91,6 +95,7 @@ class Metrics:
         self.batches = Counter(
             "attention_batches_total", "Batches run, by width: wide (every intra-op thread) or narrow (one model "
             "worker's share, beside another worker's batch)", ["width"], registry=r)
+        self._batches_by_width = {True: self.batches.labels("wide"), False: self.batches.labels("narrow")}
         self.auth_failures = Counter(
             "attention_auth_failures_total", "Calls refused UNAUTHENTICATED, by reason (missing | invalid | scheme | "
             "duplicate)", ["reason"], registry=r)
@@ -132,8 +137,12 @@ class Metrics:
     def observe_request(self, method: str, code: str, seconds: float) -> None:
         """One call (or one request of a stream) ended with `code`: attention_requests_total and its
         duration, together."""
-        self.requests.labels(method, code).inc()
-        self.request_duration.labels(method, code).observe(seconds)
+        children = self._request_children.get((method, code))
+        if children is None:  # (method, code) pairs are few: the front doors' methods x status codes
+            children = self._request_children[method, code] = (
+                self.requests.labels(method, code), self.request_duration.labels(method, code))
+        children[0].inc()
+        children[1].observe(seconds)
 
     # -- BatchObserver ---------------------------------------------------------------------------
 
@@ -143,7 +152,7 @@ class Metrics:
 
     def on_batch(self, size: int, padded_length: int, real_tokens: int, queue_s: Sequence[float],
                  wide: bool) -> None:
-        self.batches.labels("wide" if wide else "narrow").inc()
+        self._batches_by_width[wide].inc()
         self.batch_size.observe(size)
         self.batch_tokens.observe(size * padded_length)
         self.padding_ratio.observe(size * padded_length / max(real_tokens, 1))

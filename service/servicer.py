@@ -161,13 +161,19 @@ def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
 
 def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec: ModelSpec) -> pb.EncodeResponse:
     """`done`: every job's (a chunked sequence's windows each); `outputs`: one per sequence of the call."""
-    widest = max(done, key=lambda d: d.batch_size)
-    response = pb.EncodeResponse(request_id=plan.request_id, metadata=pb.ResponseMetadata(
-        queue_us=int(max(d.queue_s for d in done) * 1e6), compute_us=int(max(d.compute_s for d in done) * 1e6),
-        batch_size=widest.batch_size, padded_length=widest.padded_length, precision=spec.precision,
-        fp32_retry=any(d.output.fp32_rerun for d in done), device=spec.device, model_name=spec.name,
-        model_version=spec.version,
-    ))
+    if len(done) == 1:  # the common call: no scans over the results
+        widest = done[0]
+        queue_s, compute_s, fp32_retry = widest.queue_s, widest.compute_s, widest.output.fp32_rerun
+    else:
+        widest = max(done, key=lambda d: d.batch_size)
+        queue_s, compute_s = max(d.queue_s for d in done), max(d.compute_s for d in done)
+        fp32_retry = any(d.output.fp32_rerun for d in done)
+    response = pb.EncodeResponse(request_id=plan.request_id)
+    # Set in place: building a ResponseMetadata and then the response from it copies it once more.
+    m = response.metadata
+    m.queue_us, m.compute_us = int(queue_s * 1e6), int(compute_s * 1e6)
+    m.batch_size, m.padded_length, m.fp32_retry = widest.batch_size, widest.padded_length, fp32_retry
+    m.precision, m.device, m.model_name, m.model_version = spec.precision, spec.device, spec.name, spec.version
     sequences = plan.sequences
     for i, out in enumerate(outputs):
         # Filled in place: building submessages and then the response from them copies every tensor twice.

@@ -11,6 +11,7 @@ longer than the model is refused, cut or planned in windows here, as the call as
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ _HEAD_REDUCTIONS = frozenset(pb.HeadReduction.values())
 # more than the tokenizer (about 1 us per character here).
 TOKENIZE_INLINE_CHARS = 4096
 _MODEL_POOLING = {"mean": POOL_MEAN, "cls": POOL_CLS}
+_UNSIGNED = {np.dtype(f"{order}i{size}"): np.dtype(f"{order}u{size}") for order in "<>=" for size in (4, 8)}
 _LONG_INPUTS = {pb.LONG_INPUTS_ERROR: ERROR, pb.LONG_INPUTS_TRUNCATE: TRUNCATE, pb.LONG_INPUTS_CHUNK: CHUNK}
 ATTENTION_FIELD = "attention.return_attention"
 _WINDOWED = " (the windows of chunked sequences counted)"
@@ -327,15 +329,16 @@ def _decode_input(i: int, sequence: pb.Sequence, spec: ModelSpec,
         names = " or ".join(dtype_name(d) for d in allowed)
         raise InvalidInput(field, f"dtype must be {names}; got {dtype_name(tensor.dtype)}")
     want_rank = 1 if kind == "token_ids" else 2
-    if len(tensor.shape) != want_rank:
+    shape = tensor.shape  # one container: each attribute read builds another
+    if len(shape) != want_rank:
         want = "[T]" if want_rank == 1 else f"[T, {spec.d_model}]"
-        raise InvalidInput(field, f"shape must be {want}; got {list(tensor.shape)}")
-    length = tensor.shape[0]
+        raise InvalidInput(field, f"shape must be {want}; got {list(shape)}")
+    length = shape[0]
     if length < 1 or (length > spec.max_length and long_mode == ERROR):
         raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}"
                            + _HINT * (length > spec.max_length))
-    if kind == "embeddings" and tensor.shape[1] != spec.d_model:
-        raise InvalidInput(field, f"shape must be [T, {spec.d_model}]; got {list(tensor.shape)}")
+    if kind == "embeddings" and shape[1] != spec.d_model:
+        raise InvalidInput(field, f"shape must be [T, {spec.d_model}]; got {list(shape)}")
     try:
         array = from_tensor(tensor)
     except TensorError as exc:
@@ -361,7 +364,7 @@ _HINT = " (or set long_inputs to truncate or chunk it)"
 def _first_out_of_vocab(ids: np.ndarray, vocab_size: int) -> int | None:
     """The index of the first id outside [0, vocab_size), or None."""
     # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
-    if int(ids.view(ids.dtype.str.replace("i", "u")).max()) < vocab_size:
+    if int(ids.view(_UNSIGNED.get(ids.dtype) or ids.dtype.str.replace("i", "u")).max()) < vocab_size:
         return None
     return int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
 
@@ -371,8 +374,10 @@ def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, padded_to: 
     `padded_to`: the response pads every sequence to this length (the KServe v2 front door)."""
     first = plan.jobs[0]
     heads = 1 if first.heads_mean else spec.n_heads
-    attention = sum(len(job.attn_layers) * heads * (padded_to or job.length)**2 for job in plan.sequences)
-    attention *= ITEMSIZE[plan.attention_dtype]
+    attention = 0
+    if any(job.attn_layers for job in plan.sequences):
+        attention = sum(len(job.attn_layers) * heads * (padded_to or job.length)**2 for job in plan.sequences)
+        attention *= ITEMSIZE[plan.attention_dtype]
     if attention > config.max_attention_bytes:
         raise InvalidInput(
             "attention",
@@ -403,19 +408,23 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> int:
         T = job.length
         body = 2  # nonfinite = true
         if job.return_hidden:
-            body += _field(_tensor((T, D), out_size))
+            body += _tensor_field((T, D), out_size)
         if job.pooling:
-            body += _field(_tensor((D,), out_size))
+            body += _tensor_field((D,), out_size)
         if job.attn_layers:
             heads = 1 if job.heads_mean else spec.n_heads
-            body += _field(_tensor((len(job.attn_layers), heads, T, T), att_size))
+            body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)
         total += _field(body)
     if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
         total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)
-    # queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0), fp32_retry, then the strings.
-    metadata = 2 * 11 + 2 * 6 + 2 + sum(
-        _field(len(text.encode())) for text in (spec.precision, spec.device, spec.name, spec.version))
-    return total + _field(metadata)
+    return total + _metadata_field(spec.precision, spec.device, spec.name, spec.version)
+
+
+@functools.lru_cache(maxsize=16)
+def _metadata_field(*texts: str) -> int:
+    """The ResponseMetadata field: queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0),
+    fp32_retry, then the strings (the model's: the same on every call, hence the cache)."""
+    return _field(2 * 11 + 2 * 6 + 2 + sum(_field(len(text.encode())) for text in texts))
 
 
 def _varint(value: int) -> int:
@@ -425,6 +434,13 @@ def _varint(value: int) -> int:
 def _field(length: int) -> int:
     """A length-delimited field of `length` bytes: tag, length prefix, payload."""
     return 1 + _varint(length) + length
+
+
+# Shapes repeat (a few lengths, one d_model), and the size is computed for every sequence of every call.
+@functools.lru_cache(maxsize=4096)
+def _tensor_field(shape: tuple[int, ...], itemsize: int) -> int:
+    """`_tensor` as a field of its parent."""
+    return _field(_tensor(shape, itemsize))
 
 
 def _tensor(shape: tuple[int, ...], itemsize: int) -> int:

@@ -384,3 +384,28 @@ async def test_a_batch_held_open_by_max_wait_runs_whole_whatever_the_ages(model_
     b = batcher.submit([req(2, length=12)], far())[0]
     await asyncio.gather(a.future, b.future)
     assert model.batches == [[1, 2]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.sampled_from([1, 2, 4, 8, 16, 33, 64]), min_size=1, max_size=12),  # ties happen
+       gaps=st.lists(st.floats(0, 0.2), min_size=12, max_size=12),
+       max_batch_size=st.integers(1, 8), max_batch_tokens=st.sampled_from([64, 96, 128, 256, 1024]),
+       overhead=st.sampled_from([0, 16, 128]), max_age_ms=st.sampled_from([1.0, 50.0, 500.0]),
+       max_wait_ms=st.sampled_from([0.0, 2.0]), pool_batches=st.integers(1, 3), anchor=st.integers(0, 11))
+def test_the_plain_python_choice_equals_the_numpy_one(
+        lengths: list[int], gaps: list[float], max_batch_size: int, max_batch_tokens: int, overhead: int,
+        max_age_ms: float, max_wait_ms: float, pool_batches: int, anchor: int) -> None:
+    # Small pools are chosen in plain Python (choice.PYTHON_CELLS); the numpy search is the reference.
+    from service.batching import choice
+
+    limits = BatchLimits(max_batch_tokens=max(max_batch_tokens, max(lengths)), max_batch_size=max_batch_size,
+                         batch_overhead_tokens=overhead, max_age_ms=max_age_ms, max_wait_ms=max_wait_ms,
+                         pool_batches=pool_batches)
+    ages = [sum(gaps[i:len(lengths)]) for i in range(len(lengths))]  # oldest first
+    weights = [1.0 + (g > 0.1) for g in gaps[:len(lengths)]]  # few values: equal scores happen too
+    ordered = sorted(lengths)
+    pin = anchor if anchor < len(lengths) else None
+    python = choose_batch(lengths, ages, limits), choose_window(ordered, limits, pin, weights)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(choice, "PYTHON_CELLS", -1)
+        assert (choose_batch(lengths, ages, limits), choose_window(ordered, limits, pin, weights)) == python

@@ -32,6 +32,12 @@ FRESH_WEIGHT = 0.01
 # Ages are compared as (age + AGE_SLACK_S): differences of a few milliseconds (the order a burst of
 # calls happened to arrive in) should not decide which of two equally good windows runs.
 AGE_SLACK_S = 0.01
+# Up to this many (end, size) cells, `choose_batch` and `choose_window` run in plain Python: numpy's
+# per-call cost (some 30 array operations, 70-250 us here, on the model thread with the GIL held)
+# outweighs a few dozen cells (bench/RESULTS.md, issue 22). The same float operations in the same
+# order: the same choice (tests/test_batcher.py holds the two equal; a numpy that vectorises pow could
+# differ from libm's in the last bit of a weight, and so on an exact tie).
+PYTHON_CELLS = 64
 
 
 class WindowLimits(Protocol):
@@ -57,7 +63,15 @@ def choose_batch(lengths: Sequence[int], ages: Sequence[float], limits: WindowLi
     are looked at: callers may pass just those."""
     if len(lengths) == 1:  # the common case at low load: skip numpy
         return [0]
-    length = np.asarray(lengths[: pool_size(limits)], dtype=np.int64)
+    pool = lengths[: pool_size(limits)]
+    n = len(pool)
+    if n <= limits.max_batch_size and min(pool) == max(pool) and n * pool[0] <= limits.max_batch_tokens:
+        # All of one length and all fit: every window pads alike, so the score grows with the window's
+        # weight and the whole pool wins (with max_wait_ms too: none is full). What the search returns.
+        return list(range(n))
+    if n * min(limits.max_batch_size, n) <= PYTHON_CELLS:
+        return _choose_batch_python([int(x) for x in pool], [float(a) for a in ages[:n]], limits)
+    length = np.asarray(pool, dtype=np.int64)
     # The pool: the oldest items up to pool_batches batches' worth of tokens (at least one item).
     # Items further back wait their turn, which bounds everyone's wait while leaving enough choice
     # to group similar lengths.
@@ -91,6 +105,9 @@ def choose_window(lengths: Sequence[int] | np.ndarray, limits: WindowLimits, anc
     `anchor`, only windows that contain it are considered. Vectorised: n x max_batch_size cells.
     """
     n = len(lengths)
+    if n * min(limits.max_batch_size, n) <= PYTHON_CELLS:
+        return _choose_window_python([int(x) for x in lengths], limits, anchor,
+                                     [1.0] * n if weights is None else [float(w) for w in weights])
     length = np.asarray(lengths, dtype=np.int64)
     weight = np.ones(n) if weights is None else np.asarray(weights, dtype=np.float64)
     work_prefix = np.concatenate(([0], np.cumsum(length * weight)))
@@ -111,4 +128,51 @@ def choose_window(lengths: Sequence[int] | np.ndarray, limits: WindowLimits, anc
         one = 0 if anchor is None else anchor
         return one, one
     h, k = divmod(best, score.shape[1])
+    return h - k, h
+
+
+def _choose_batch_python(length: list[int], age: list[float], limits: WindowLimits) -> list[int]:
+    """`choose_batch` for a small pool, in plain Python, step for step."""
+    budget = limits.pool_batches * limits.max_batch_tokens
+    n, total = len(length), 0
+    for i, x in enumerate(length):  # np.searchsorted(np.cumsum(length), budget) + 1
+        total += x
+        if total >= budget:
+            n = min(n, i + 1)
+            break
+    length, age = length[:n], age[:n]
+    order = sorted(range(n), key=length.__getitem__)  # stable, as argsort(kind="stable")
+    if limits.max_wait_ms > 0 and n <= limits.max_batch_size and n * max(length) <= limits.max_batch_tokens:
+        return order
+    weight = [((a + AGE_SLACK_S) / (age[0] + AGE_SLACK_S)) ** AGE_POWER + FRESH_WEIGHT for a in age]
+    anchor = order.index(0) if age[0] >= limits.max_age_ms / 1e3 else None
+    lo, hi = _choose_window_python([length[i] for i in order], limits, anchor, [weight[i] for i in order])
+    return order[lo : hi + 1]
+
+
+def _choose_window_python(length: list[int], limits: WindowLimits, anchor: int | None,
+                          weight: list[float]) -> tuple[int, int]:
+    """`choose_window` cell by cell: the same scores from the same float operations, and the first
+    best cell in the same (end, size) order as numpy's argmax."""
+    n = len(length)
+    work_prefix, weight_prefix = [0.0], [0.0]
+    for x, w in zip(length, weight, strict=True):
+        work_prefix.append(work_prefix[-1] + x * w)
+        weight_prefix.append(weight_prefix[-1] + w)
+    best, best_score = (0, 0), -2.0
+    for hi in range(n):
+        for size in range(1, min(limits.max_batch_size, n) + 1):
+            lo = hi - size + 1
+            score = -1.0
+            if lo >= 0 and size * length[hi] <= limits.max_batch_tokens and (
+                    anchor is None or lo <= anchor <= hi):
+                work = work_prefix[hi + 1] - work_prefix[lo]
+                cost = (weight_prefix[hi + 1] - weight_prefix[lo]) * length[hi] + limits.batch_overhead_tokens
+                score = work / cost + work * 1e-12
+            if score > best_score:
+                best, best_score = (hi, size - 1), score
+    if best_score < 0:  # nothing fits the budget (one item longer than it): run one alone
+        one = 0 if anchor is None else anchor
+        return one, one
+    h, k = best
     return h - k, h

@@ -92,8 +92,8 @@ def from_tensor(tensor: pb.Tensor) -> np.ndarray:
     dtype = tensor.dtype
     if dtype not in ITEMSIZE:
         raise TensorError(f"unsupported dtype {dtype_name(dtype)}")
-    shape = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in shape):
+    shape = tuple(tensor.shape)  # int64 already: no per-dimension conversion (this runs on every call)
+    if shape and min(shape) < 0:
         raise TensorError(f"negative dimension in shape {list(shape)}")
     count = 1
     for d in shape:
@@ -101,11 +101,12 @@ def from_tensor(tensor: pb.Tensor) -> np.ndarray:
         if count > 1 << 40:
             raise TensorError(f"shape {list(shape)} is too large")
     expected = count * ITEMSIZE[dtype]
-    if len(tensor.data) != expected:
+    data = tensor.data  # read once: each read of a bytes field makes a new bytes object
+    if len(data) != expected:
         raise TensorError(
             f"byte size mismatch: shape {list(shape)} of {dtype_name(dtype)} needs {expected} bytes, "
-            f"got {len(tensor.data)}"
+            f"got {len(data)}"
         )
     if dtype == pb.DTYPE_BFLOAT16:
-        return bfloat16_bits_to_float32(np.frombuffer(tensor.data, dtype="<u2")).reshape(shape)
-    return np.frombuffer(tensor.data, dtype=_NUMPY_OF[dtype]).reshape(shape)
+        return bfloat16_bits_to_float32(np.frombuffer(data, dtype="<u2")).reshape(shape)
+    return np.frombuffer(data, dtype=_NUMPY_OF[dtype]).reshape(shape)
