@@ -122,6 +122,11 @@ class Runner:
                 _warm(self.finish(batch))
         if self._fp32_module is not None:
             self._forward(self._fp32_module, [Job(ids[:8], None)])
+        if self.diagnostics:
+            # TorchScript profiles and optimises a method on its first calls: without this, the first
+            # sampled batches would pay that on a model thread, rather than the service's start.
+            for jobs in ([Job(ids, None)] * n, [Job(ids[:8], None)] * 2, [Job(ids[:8], None)] * 2):
+                self._diagnose(jobs)
 
     def set_wide(self, wide: bool) -> None:
         """On the thread about to run a batch: all the intra-op threads (it runs alone) or one worker's
