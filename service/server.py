@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import tempfile
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -237,10 +238,7 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
     except (RuntimeError, ValueError, OSError) as exc:  # port taken, unreadable certificate or token file
         log.error("cannot start: %s", exc)
         return 1
-    loop = asyncio.get_running_loop()
-    signals: asyncio.Queue[int] = asyncio.Queue()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    signals = signal_queue()
     try:
         await server.start()
     except OSError as exc:  # the metrics port taken; nothing has started yet
@@ -255,9 +253,26 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
         waiter.cancel()
         await server.stop(0)
         return 1
+    await drain_on_signal(waiter, signals, config, server.stop)
+    log.info("stopped; ledger %s", json.dumps(ledger(registry), sort_keys=True))
+    return await exit_after(server.threads)
+
+
+def signal_queue() -> asyncio.Queue[int]:
+    """SIGTERM and SIGINT as they arrive (the first drains, a second stops at once)."""
+    loop = asyncio.get_running_loop()
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    return signals
+
+
+async def drain_on_signal(waiter: asyncio.Task[int], signals: asyncio.Queue[int], config: ServiceConfig,
+                          stop: Callable[[float | None], Coroutine[Any, Any, None]]) -> None:
+    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`."""
     signum = await waiter
     log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
-    stopping = asyncio.create_task(server.stop())
+    stopping = asyncio.create_task(stop(None))
     second = asyncio.create_task(signals.get())
     await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
     if not stopping.done():
@@ -265,17 +280,21 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
-        await server.stop(0)
+        await stop(0)
     second.cancel()
-    log.info("stopped; ledger %s", json.dumps(ledger(registry), sort_keys=True))
-    for _ in range(20):  # a forward that outlived the grace gets 0.2 s more to end
-        if not server.threads.alive:
+
+
+async def exit_after(threads: ModelThreads, before_exit: Callable[[], None] = lambda: None) -> int:
+    """Exit code 0 once the model threads have ended; a forward that outlived the grace gets 0.2 s more."""
+    for _ in range(20):
+        if not threads.alive:
             return 0
         await asyncio.sleep(0.01)
     # Finalizing the interpreter under a thread that is inside a TorchScript forward can abort the
     # process (std::terminate when the thread wakes), so a hung model must not turn exit 0 into SIGABRT.
     log.warning("the model thread is still in a forward; exiting without waiting for it")
     logging.shutdown()
+    before_exit()
     os._exit(0)
 
 

@@ -28,7 +28,6 @@ socket close, fail their unanswered calls UNAVAILABLE and exit 1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -36,7 +35,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -59,7 +57,15 @@ from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.multiproc import wire
 from service.multiproc.edge_worker import CONFIG, SOCKET
-from service.server import _write_json, health_server, model_workers, start_model
+from service.server import (
+    _write_json,
+    drain_on_signal,
+    exit_after,
+    health_server,
+    model_workers,
+    signal_queue,
+    start_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -341,10 +347,7 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
         except (RuntimeError, ValueError, OSError) as exc:
             log.error("cannot start: %s", exc)
             return 1
-        loop = asyncio.get_running_loop()
-        signals: asyncio.Queue[int] = asyncio.Queue()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        signals = signal_queue()
         try:
             await host.start()
         except OSError as exc:
@@ -371,24 +374,6 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
             log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
             return 1
         failed.cancel()
-        signum = await waiter
-        log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
-        stopping = asyncio.create_task(host.stop())
-        second = asyncio.create_task(signals.get())
-        await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
-        if not stopping.done():
-            log.info("second signal: stopping now")
-            stopping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopping
-            await host.stop(0)  # DRAIN 0: the edges stop at once too
-        second.cancel()
+        await drain_on_signal(waiter, signals, config, host.stop)  # stop(0): the edges stop at once too
         log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
-        for _ in range(20):
-            if not host.threads.alive:
-                return 0
-            await asyncio.sleep(0.01)
-        log.warning("the model thread is still in a forward; exiting without waiting for it")
-        logging.shutdown()
-        shutil.rmtree(directory, ignore_errors=True)
-        os._exit(0)
+        return await exit_after(host.threads, functools.partial(shutil.rmtree, directory, ignore_errors=True))
