@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from google.rpc import error_details_pb2
 
 from client import EncoderClient
 from client.errors import InvalidArgument
@@ -21,7 +20,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import from_tensor
 from service.config import ServiceConfig
 from service.validation import validate
-from tests.helpers import details_of, ids_request
+from tests.helpers import ids_request, violated_field
 from tests.hf_helpers import Reference
 from tests.reliability_helpers import assert_clean_status
 
@@ -30,11 +29,6 @@ def _text_request(*texts: str, **fields: Any) -> pb.EncodeRequest:
     output = fields.pop("output", pb.OutputOptions(pooling=pb.POOLING_MODEL, return_tokens=True))
     return pb.EncodeRequest(sequences=[pb.Sequence(text=t) for t in texts], output=output, **fields)
 
-
-def _field(error: grpc.aio.AioRpcError) -> str:
-    bad = error_details_pb2.BadRequest()
-    assert any(d.Unpack(bad) for d in details_of(error)), "no BadRequest detail"
-    return str(bad.field_violations[0].field)
 
 
 def _check(out: pb.SequenceOutput, ref: Reference, i: int) -> None:
@@ -135,7 +129,7 @@ async def test_text_errors_name_the_field(start_server: Any, tiny_text_bundle: P
         await served.stub.Encode(request_, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert_clean_status(info.value)
-    assert _field(info.value) == field
+    assert violated_field(info.value) == field
     for word in words:
         assert word in (info.value.details() or ""), info.value.details()
 
@@ -148,7 +142,7 @@ async def test_text_on_an_ids_only_model_is_refused(served: Any) -> None:
                                              output=pb.OutputOptions(prompt_name="query")), "output.prompt_name")]:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await served.stub.Encode(request, timeout=10)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _field(info.value) == field
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violated_field(info.value) == field
     info_ = await served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert not info_.HasField("text")
     # normalize on an ids-only model: asked for, applied; by default, off.
