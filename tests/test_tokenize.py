@@ -11,7 +11,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 
 from client import EncoderClient, SyncEncoderClient
 from client.cli import main as cli_main
@@ -19,15 +18,9 @@ from client.errors import InvalidArgument
 from model.bundle import load_bundle
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.wire import from_tensor
-from tests.helpers import details_of
+from tests.helpers import violated_field, wait_for
 from tests.hf_helpers import Reference
 from tests.reliability_helpers import assert_clean_status
-
-
-def _field(error: grpc.aio.AioRpcError) -> str:
-    bad = error_details_pb2.BadRequest()
-    assert any(d.Unpack(bad) for d in details_of(error)), "no BadRequest detail"
-    return str(bad.field_violations[0].field)
 
 
 async def test_tokenize_gives_the_ids_of_sentence_transformers_and_of_encode(
@@ -76,7 +69,7 @@ async def test_errors_name_the_field(start_server: Any, tiny_text_bundle: Path, 
         await served.stub.Tokenize(request_, timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert_clean_status(info.value)
-    assert _field(info.value) == field
+    assert violated_field(info.value) == field
     for word in words:
         assert word in (info.value.details() or ""), info.value.details()
 
@@ -84,7 +77,7 @@ async def test_errors_name_the_field(start_server: Any, tiny_text_bundle: Path, 
 async def test_a_model_without_a_tokenizer_and_malformed_bytes_are_invalid_argument(served: Any) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Tokenize(pb.TokenizeRequest(texts=["hello"]), timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _field(info.value) == "texts[0]"
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violated_field(info.value) == "texts[0]"
     assert "has no tokenizer" in (info.value.details() or "")
     tokenize = served.channel.unary_unary("/attention.v1.AttentionService/Tokenize")
     with pytest.raises(grpc.aio.AioRpcError) as malformed:
@@ -98,6 +91,10 @@ async def test_tokenize_is_counted_like_the_other_methods(start_server: Any, tin
     await served.stub.Tokenize(pb.TokenizeRequest(texts=["the cats"]), timeout=10)
     with pytest.raises(grpc.aio.AioRpcError):
         await served.stub.Tokenize(pb.TokenizeRequest(), timeout=10)
+    # The caller has its status before the server's interceptor has counted it: wait for the count.
+    await wait_for(lambda: served.sample("attention_requests_total",
+                                         {"method": "Tokenize", "code": "INVALID_ARGUMENT"}) == 1,
+                   10, "the refused Tokenize call to be counted")
     assert served.sample("attention_requests_total", {"method": "Tokenize", "code": "OK"}) == 1
     assert served.sample("attention_requests_total", {"method": "Tokenize", "code": "INVALID_ARGUMENT"}) == 1
     grpc_labels = {"grpc_type": "unary", "grpc_service": "attention.v1.AttentionService", "grpc_method": "Tokenize"}
@@ -148,4 +145,4 @@ async def test_tokenize_through_edge_processes(tiny_text_bundle: Path, tmp_path:
     finally:
         server.stop()
     assert [list(t.tokens) for t in r.texts] == [["[CLS]", "a", "cat", "[SEP]"], ["[CLS]", "a", "[SEP]"]]
-    assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _field(too_long.value) == "texts[0]"
+    assert too_long.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violated_field(too_long.value) == "texts[0]"
