@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
-.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-edge gpu-check gpu-wheels \
+.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-doors gpu-check gpu-wheels \
 	gpu-minilm \
 	system-deps clean
 
@@ -59,8 +59,8 @@ bench: $(STAMP)  ## the service against its ceiling, ids and then text on all-Mi
 bench-text: $(STAMP)  ## text in: all-MiniLM-L6-v2 through the service against its in-process ceiling, c1/16/64
 	$(BIN)/python -m bench.text_bench
 
-bench-edge: $(STAMP)  ## the gRPC edge alone: a trivial model against bare grpc.aio/sync servers, c1/16/64/256
-	$(BIN)/python -m bench.edge_bench $(BENCH_EDGE_ARGS)
+bench-doors: $(STAMP)  ## the gRPC doors alone: a trivial model against bare grpc.aio/sync servers, c1/16/64/256
+	$(BIN)/python -m bench.doors_bench $(BENCH_DOORS_ARGS)
 
 # Not on .venv: its torch is the CPU build. GPU_PYTHON is a python whose torch has CUDA (see bench/gpu_check.py).
 GPU_PYTHON ?= python3

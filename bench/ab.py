@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.server_process import ServerProcess
-from client.bench import run_load
+from client.load import run_load
 from model.default import ensure_default_bundle
+from tests.support.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 

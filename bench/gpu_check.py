@@ -14,7 +14,7 @@ deadline; a phase that fails or runs out of time is recorded, and the next one s
            device (the masked path); against a bf16 F.linear matmul timed the same way; and the service's
            batch path (service.runner.Runner.execute: collate, copy in, forward, copy out, pool).
   service  (bench/gpu_load.py) `python -m service` on that bundle (cuda, bf16) under closed-loop load
-           (client.bench.run_load) from several spawned load-generator processes (their CPU seconds per
+           (client.load.run_load) from several spawned load-generator processes (their CPU seconds per
            second are reported), lengths fixed at 128 and 512, mean-pooled outputs, at concurrency 64
            (1 process and all), 16 and 256, and 64 returning hidden states. It ends 20% of the budget before
            the end when the minilm phase will run.
@@ -66,7 +66,7 @@ from bench.gpu_model import PRESETS, ceiling, cell, fmt, model_table, phase_mode
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "google.rpc",
             "prometheus_client", "numpy", "tqdm", "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis",
-            "tritonclient.grpc",  # the KServe v2 front door's stubs (service/kserve.py)
+            "tritonclient.grpc",  # the KServe v2 front door's stubs (service/doors/kserve_v2.py)
             "tokenizers", "safetensors")  # text bundles; convert-hf (the minilm phase)
 MINILM_SHARE = 0.2  # of the budget, kept for the minilm phase when its folder is there
 # The project's pytest plugins and no others (a GPU image may hold xdist, cov, benchmark ...).

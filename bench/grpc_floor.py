@@ -3,7 +3,7 @@ grpc.aio caller above the handler's own wait. The bar the service's concurrency-
 
     python -m bench.grpc_floor [--rounds 6] [--calls 1500] [--wait-ms 0 9] [--servers aio sync]
 
-`FloorServer` is the other floor (bench/edge_bench.py's): a bare server of either kind answering
+`FloorServer` is the other floor (bench/doors_bench.py's): a bare server of either kind answering
 fixed bytes per method, at once, with no work at all.
 
 Each server is a generic handler returning a 128 KiB bytes payload (the size of 128 x 256 float32

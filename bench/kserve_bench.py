@@ -6,7 +6,7 @@ both alike. It stands in for perf_analyzer where that cannot run (glibc < 2.38, 
     python -m bench.kserve_bench [--concurrency 1 16 64] [--seconds 10] [--warmup 2] [--rounds 2]
                                  [--length 128] [--bundle DIR] [--json OUT]
 
-The v1 side is `client.bench.run_load` (what `python -m client bench` runs). The v2 side sends
+The v1 side is `client.load.run_load` (what `python -m client bench` runs). The v2 side sends
 `ModelInferRequest`s serialized up front over one grpc.aio channel, as the v1 side does, so the two
 differ only in the server's front door (tritonclient's own `infer()` builds each request per call and
 would add client CPU to the comparison). Bounded: rounds x concurrencies x 2 x (warmup + seconds),
@@ -27,9 +27,9 @@ import grpc
 import numpy as np
 from tritonclient.grpc import service_pb2 as v2
 
-from bench.server_process import ServerProcess
-from client.bench import run_load
+from client.load import run_load
 from model.default import ensure_default_bundle
+from tests.support.server_process import ServerProcess
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

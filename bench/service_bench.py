@@ -6,7 +6,7 @@
    then each load run's bar is measured again right before and right after it, and the target rows
    run `--rounds` times (this shared machine's forward time drifts by +-30% between minutes).
 2. The service: `python -m service` in a subprocess on 127.0.0.1, under closed-loop load from this
-   process (client/bench.py: grpc.aio callers, one call in flight each, requests serialized up front),
+   process (client/load.py: grpc.aio callers, one call in flight each, requests serialized up front),
    at several concurrencies, fixed and mixed lengths, batching on and off, fp32 (and bf16 with --bf16).
 3. A table with the ratios the performance issue sets as targets, JSON, and two plots.
 
@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.server_process import ServerProcess
-from client.bench import BenchReport, run_load
+from client.load import BenchReport, run_load
 from model.bundle import load_bundle
 from model.default import ensure_default_bundle
+from tests.support.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXED, MIXED = (128, 128), (16, 256)

@@ -5,7 +5,7 @@ of English words and punctuation; about 6-250 tokens) are sent one per call as s
 embeddings back (pooling "model", normalised, no hidden states). The ceiling tokenizes and runs the
 same texts in process with the bundle's tokenizer and module, length-sorted batches at the best token
 budget, the server's threads: tokenization is included on both sides. Closed-loop load at concurrency
-1, 16 and 64 (client/bench.py), each run bracketed by a ceiling measurement (the shared machine drifts).
+1, 16 and 64 (client/load.py), each run bracketed by a ceiling measurement (the shared machine drifts).
 Bounded: `--duration` seconds per load run (default 15), about 3 minutes in all.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.server_process import ServerProcess
-from client.bench import run_load
+from client.load import run_load
 from model.bundle import load_bundle
+from tests.support.server_process import ServerProcess
 
 WORDS = ("the a of and to in is was for on that with as by at from it an be this are or which his her "
          "model service attention token sentence encoder batch request latency network data system user "

@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from proto.attention.v1.wire import SERVICE_NAME
+from proto.attention.v1.codec import SERVICE_NAME
 
 SERVICE = SERVICE_NAME
 DEFAULT_TIMEOUT_S = 30.0

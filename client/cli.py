@@ -290,7 +290,7 @@ def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | list[
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from client.bench import parse_lengths, run_load
+    from client.load import parse_lengths, run_load
 
     try:
         lengths = parse_lengths(args.lengths if args.lengths else str(args.length))

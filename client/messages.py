@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from client.errors import InvalidArgument
 from proto.attention.v1 import attention_pb2 as pb
-from proto.attention.v1.wire import from_tensor, to_tensor
+from proto.attention.v1.codec import from_tensor, to_tensor
 
 Pooling = Literal["none", "mean", "cls", "model"]
 Heads = Literal["all", "mean"]

@@ -82,7 +82,7 @@ class ServiceConfig:
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
     default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
-    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/front.py)
+    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/doors/front.py)
     max_concurrent_streams: int = _opt(
         256, "calls one connection may have open at once; a client past it waits for a free stream, a stream "
              "over it is refused (REFUSED_STREAM) without touching other connections")
@@ -106,7 +106,7 @@ class ServiceConfig:
     reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
     log_level: str = _opt("info", "debug | info | warning | error")
     min_deadline_ms: float = _opt(1.0, "calls arriving with less time than this left get DEADLINE_EXCEEDED at once")
-    # Security (see service/security.py)
+    # Security (see service/doors/security.py)
     tls_cert: str = _opt("", "PEM server certificate (chain); with --tls-key, the gRPC port speaks TLS only")
     tls_key: str = _opt("", "PEM private key of --tls-cert")
     tls_client_ca: str = _opt("", "PEM CA bundle; when set, clients must present a certificate it signed (mTLS)")
@@ -194,7 +194,7 @@ class ServiceConfig:
 
     @property
     def auth_token_list(self) -> list[str]:
-        """The tokens given in the environment (the file's are read by service/security.py)."""
+        """The tokens given in the environment (the file's are read by service/doors/security.py)."""
         return [t.strip() for t in self.auth_tokens.split(",") if t.strip()]
 
     @property

@@ -12,14 +12,14 @@
     │   └── DeadlineUnmeetable DEADLINE_EXCEEDED too little time left on arrival (`min_deadline_ms`)
     ├── NotReady            UNAVAILABLE         loading or warming up
     ├── ShuttingDown        UNAVAILABLE         draining for shutdown
-    ├── Unauthenticated     UNAUTHENTICATED     missing or wrong credentials (service/security.py)
+    ├── Unauthenticated     UNAUTHENTICATED     missing or wrong credentials (service/doors/security.py)
     └── ModelFailure        INTERNAL            the model raised; the message carries only a reference id
         └── NonFiniteOutput INTERNAL            NaN/Inf output that no fp32 re-run could mend
 
 Codes are names (`grpc.StatusCode[name]` at the edge) so that this module, and the batcher that
 raises these errors, import no grpc. Messages are public: they never hold internals. `status_of`
 and `reason_of` walk an error's classes, so a subclass without its own row gets its parent's. A
-caller that goes away is not an error of ours: grpcio ends that call CANCELLED (service/edge.py).
+caller that goes away is not an error of ours: grpcio ends that call CANCELLED (service/doors/calls.py).
 """
 
 from __future__ import annotations

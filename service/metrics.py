@@ -123,7 +123,7 @@ class Metrics:
             "bundle has the diagnostics entry point)", registry=r,
             multiprocess_mode="max")
 
-        # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/grpc_metrics.py).
+        # The conventional grpc-ecosystem names, so that stock gRPC dashboards work (service/doors/grpc_metrics.py).
         grpc_labels = ["grpc_type", "grpc_service", "grpc_method"]
         self.grpc_started = Counter(
             "grpc_server_started_total", "RPCs started on the server", grpc_labels, registry=r)

@@ -10,7 +10,7 @@ call ledger (started = handled by code; queue empty).
 `edge_processes` > 0 runs the gRPC side in that many edge processes instead (service/multiproc/);
 this module is then the model's half (`start_model`), and `serve()` hands over at once.
 
-Security (service/security.py): with `tls_cert`/`tls_key` the gRPC port speaks TLS only (mutual
+Security (service/doors/security.py): with `tls_cert`/`tls_key` the gRPC port speaks TLS only (mutual
 TLS with `tls_client_ca`); `health_port` then serves plaintext health checks for probes. With
 tokens configured, the auth interceptor is outermost, so an unauthenticated call runs nothing.
 """
@@ -33,13 +33,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from model.default import ensure_default_bundle
-from proto.attention.v1.wire import SERVICE_NAME
+from proto.attention.v1.codec import SERVICE_NAME
 from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
-from service.edge import Edge, Serving
+from service.doors.calls import Calls, Serving
+from service.doors.front import Front, build_front, grpc_options, ledger
 from service.fault_hooks import FaultHooks
-from service.front import Front, build_front, grpc_options, ledger
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.runner import Runner
@@ -85,7 +85,7 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.hooks = FaultHooks.from_config(config)
         self.threads = ModelThreads(model_workers(config))
-        edge = Edge(config, self.serving, self.metrics)
+        edge = Calls(config, self.serving, self.metrics)
         front = build_front(config, edge, self.metrics, self.health, len(self.threads))
         self.grpc, self.port = front.grpc, front.port
         self.servicer, self.kserve = front.servicer, front.kserve

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from proto.attention.v1 import attention_pb2 as pb
-from proto.attention.v1.wire import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
+from proto.attention.v1.codec import FLOAT_DTYPES, INT_DTYPES, ITEMSIZE, TensorError, dtype_name, from_tensor
 from service.chunking import CHUNK, ERROR, REFUSE, TRUNCATE, Chunked, LongInputs, choose, sequences, truncated
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput
@@ -255,7 +255,7 @@ def validate_rows(rows: Sequence[np.ndarray], field: str, out: pb.OutputOptions,
                   layers_field: str = "attention.layers", long: LongInputs = REFUSE, window: int = 0,
                   attention_field: str = ATTENTION_FIELD) -> Plan:
     """Token-id rows (int32/int64 [T_i] each, already cut to their real length) -> a `Plan`, with the
-    checks `validate` makes. For callers that decode their own wire format (service/kserve.py):
+    checks `validate` makes. For callers that decode their own wire format (service/doors/kserve_v2.py):
     `field` names the tensor in errors (`field[i, j]`), and `padded_to` sizes a response that pads
     every row back to the request's length. Rows longer than `window` (0: max_length) are refused,
     cut or chunked as `long` says."""

@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny seeded model bundle, and real servers on 127.0.0.1:0 (helpers: tests/helpers.py)."""
+"""Shared fixtures: a tiny seeded model bundle, and real servers on 127.0.0.1:0 (helpers: tests/support/helpers.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2_grpc
 from service.server import build_server
-from tests.helpers import Running, test_config
+from tests.support.helpers import Running, test_config
 
 
 @pytest.fixture(scope="session")
@@ -80,4 +80,4 @@ async def served(start_server: Callable[..., Any]) -> Running:
 
 
 # Hugging Face models (text in): session fixtures, so the real model is converted once per run.
-from tests.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401
+from tests.support.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401

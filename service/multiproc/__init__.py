@@ -5,7 +5,7 @@ model threads and the one batcher, so batching spans every caller of the device.
 socket in a private directory. Each edge process (service/multiproc/edge_worker.py) runs the whole
 gRPC server (every front door, parsing, validation, tokenizing, auth, the metrics interceptor) on the
 shared port (SO_REUSEPORT), and admits into the model process's batcher through
-service/multiproc/remote.py, which `Edge.compute` uses as it uses the batcher. The frames between
-them are service/multiproc/wire.py. Metrics are prometheus_client's multiprocess mode: one /metrics,
+service/multiproc/remote.py, which `Calls.compute` uses as it uses the batcher. The frames between
+them are service/multiproc/frames.py. Metrics are prometheus_client's multiprocess mode: one /metrics,
 served by the model process, summing every process.
 """

@@ -1,7 +1,7 @@
 """An edge process: `python -m service.multiproc.edge_worker DIRECTORY INDEX`, started by the model
 process (service/multiproc/host.py), never by hand.
 
-It runs the service's whole gRPC server (service/front.py) on the shared port with SO_REUSEPORT,
+It runs the service's whole gRPC server (service/doors/front.py) on the shared port with SO_REUSEPORT,
 admitting into the model process's batcher (service/multiproc/remote.py). Its lifecycle follows the
 model process: SERVING once the model process has described its warm model (HELLO); on DRAIN the
 same drain as one process's (readiness NOT_SERVING, `drain_delay_s`, new calls UNAVAILABLE, accepted
@@ -24,12 +24,12 @@ from pathlib import Path
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry, multiprocess
 
-from proto.attention.v1.wire import SERVICE_NAME
+from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.edge import Edge, Serving
-from service.front import build_front, ledger
+from service.doors.calls import Calls, Serving
+from service.doors.front import build_front, ledger
 from service.metrics import Metrics
-from service.multiproc import wire
+from service.multiproc import frames
 from service.multiproc.remote import ModelClient
 
 log = logging.getLogger("service.edge_process")
@@ -45,18 +45,18 @@ async def run(directory: Path) -> int:
     multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
     serving = Serving()
     health_servicer = health.aio.HealthServicer()
-    limit = wire.max_frame(config.max_message_bytes)
+    limit = frames.max_frame(config.max_message_bytes)
     try:
         reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
-        kind, _, body = await wire.read_frame(reader, limit)
-    except (OSError, asyncio.IncompleteReadError, wire.FrameError) as exc:
+        kind, _, body = await frames.read_frame(reader, limit)
+    except (OSError, asyncio.IncompleteReadError, frames.FrameError) as exc:
         log.error("cannot reach the model process: %s", exc)
         return 1
-    if kind != wire.HELLO:
+    if kind != frames.HELLO:
         log.error("the model process sent frame kind %d before HELLO", kind)
         return 1
-    spec, workers = wire.read_hello(body)
-    edge = Edge(config, serving, metrics)
+    spec, workers = frames.read_hello(body)
+    edge = Calls(config, serving, metrics)
     try:
         front = build_front(config, edge, metrics, health_servicer, workers, reuse_port=True)
     except RuntimeError as exc:
@@ -73,7 +73,7 @@ async def run(directory: Path) -> int:
     serving.spec, serving.batcher = spec, client
     metrics.ready.set(1)
     client.start()
-    client.send(wire.message(wire.READY, {"pid": os.getpid(), "port": front.port}))
+    client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": front.port}))
     log.info("serving on %s:%d (%s, %s), pid %d", config.host, front.port, "TLS" if front.tls else "plaintext",
              f"{front.tokens} bearer tokens" if front.tokens else "no token auth", os.getpid())
 
@@ -107,7 +107,7 @@ async def run(directory: Path) -> int:
         code = 1
         await stop(min(1.0, config.drain_grace_s))  # the calls just failed get their answers out
     gone.cancel()
-    client.send(wire.message(wire.BYE, {"pid": os.getpid(), "ledger": ledger(registry)}))
+    client.send(frames.message(frames.BYE, {"pid": os.getpid(), "ledger": ledger(registry)}))
     await client.close()
     return code
 

@@ -47,15 +47,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
 
-from proto.attention.v1.wire import SERVICE_NAME
+from proto.attention.v1.codec import SERVICE_NAME
 from service.batching import Batcher, Item, ModelThreads, Request
 from service.config import ServiceConfig
+from service.doors.front import ledger
 from service.errors import ModelFailure, ServiceError
 from service.fault_hooks import FaultHooks
-from service.front import ledger
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
-from service.multiproc import wire
+from service.multiproc import frames
 from service.multiproc.edge_worker import CONFIG, SOCKET
 from service.server import (
     _write_json,
@@ -140,7 +140,7 @@ class ModelHost:
         self._httpd: Any = None
         self.metrics_port = 0
         self.startup: asyncio.Task[None] | None = None
-        self.max_frame = wire.max_frame(config.max_message_bytes)
+        self.max_frame = frames.max_frame(config.max_message_bytes)
 
     async def start(self) -> None:
         if self.config.metrics_port >= 0:
@@ -209,43 +209,43 @@ class ModelHost:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.batcher is not None and self.spec is not None
         batcher = self.batcher
-        writer.write(wire.hello(self.spec, self.workers))
+        writer.write(frames.hello(self.spec, self.workers))
         calls: dict[int, list[Item[Job]]] = {}
         slot: EdgeSlot | None = None
         try:
             while True:
-                kind, call, body = await wire.read_frame(reader, self.max_frame)
-                if kind == wire.SUBMIT:
-                    deadline, jobs = wire.read_submit(body)
+                kind, call, body = await frames.read_frame(reader, self.max_frame)
+                if kind == frames.SUBMIT:
+                    deadline, jobs = frames.read_submit(body)
                     try:
                         items = batcher.submit([Request(job, job.length, job.key) for job in jobs], deadline)
                     except ServiceError as exc:  # refused: Overloaded, ShuttingDown
-                        writer.write(wire.error(call, -1, exc))
+                        writer.write(frames.error(call, -1, exc))
                         continue
                     calls[call] = items
                     for index, item in enumerate(items):
                         item.future.add_done_callback(functools.partial(self._answer, writer, calls, call, index))
-                elif kind == wire.CANCEL:
+                elif kind == frames.CANCEL:
                     if (cancelled := calls.pop(call, None)) is not None:
                         batcher.cancel(cancelled)
-                elif kind == wire.READY:
-                    pid = wire.read_message(body)["pid"]
+                elif kind == frames.READY:
+                    pid = frames.read_message(body)["pid"]
                     slot = next((s for s in self.slots if s.proc is not None and s.proc.pid == pid), None)
                     if slot is None:
-                        raise wire.FrameError(f"READY from pid {pid}, not an edge of this process")
+                        raise frames.FrameError(f"READY from pid {pid}, not an edge of this process")
                     slot.writer = writer
                     slot.ready.set()
                     if self.stopping:  # started just as the drain began
-                        writer.write(wire.drain(0))
-                elif kind == wire.BYE:
-                    data = wire.read_message(body)
+                        writer.write(frames.drain(0))
+                elif kind == frames.BYE:
+                    data = frames.read_message(body)
                     log.info("edge %s (pid %d) stopped; its calls %s", slot.index if slot else "?", data["pid"],
                              json.dumps(data["ledger"], sort_keys=True))
                 else:
-                    raise wire.FrameError(f"unexpected frame kind {kind} from an edge")
+                    raise frames.FrameError(f"unexpected frame kind {kind} from an edge")
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
-        except wire.FrameError as exc:
+        except frames.FrameError as exc:
             log.error("bad frame from an edge: %s", exc)
         finally:
             for items in calls.values():  # the edge is gone: so are its callers
@@ -263,19 +263,19 @@ class ModelHost:
             return
         exc = future.exception()
         if exc is None:
-            writer.write(wire.result(call, index, future.result()))
+            writer.write(frames.result(call, index, future.result()))
         else:
             if not isinstance(exc, ServiceError):
                 exc = ModelFailure("internal error")
                 log.error("a job failed (ref=%s)", exc.ref, exc_info=future.exception())
-            writer.write(wire.error(call, index, exc))
+            writer.write(frames.error(call, index, exc))
 
     # -- shutdown --------------------------------------------------------------------------------------
 
     def _tell_edges(self, grace: float) -> None:
         for slot in self.slots:
             if slot.writer is not None and not slot.writer.is_closing():
-                slot.writer.write(wire.drain(grace))
+                slot.writer.write(frames.drain(grace))
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop every process. `grace` defaults to `drain_grace_s`; 0 stops at once."""

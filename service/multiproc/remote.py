@@ -1,5 +1,5 @@
-"""The edge process's side of the model process's batcher: `submit` and `cancel` as `Edge.compute`
-uses them (service/edge.py `Admission`), over the Unix socket (service/multiproc/wire.py).
+"""The edge process's side of the model process's batcher: `submit` and `cancel` as `Calls.compute`
+uses them (service/doors/calls.py `Admission`), over the Unix socket (service/multiproc/frames.py).
 
 `submit` never waits: it sends the call's jobs and returns items whose futures the reader task
 resolves as the model process answers, one RESULT or ERROR per job (or one ERROR for the whole call:
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from service.batching import Done, Item, Request
 from service.errors import ServiceError, ShuttingDown
 from service.jobs import Job
-from service.multiproc import wire
+from service.multiproc import frames
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class ModelClient:
         self._calls[call] = items
         self._call_of[items[0]] = call
         self._unanswered[call] = len(items)
-        self._writer.write(wire.submit(call, deadline, [r.payload for r in requests]))
+        self._writer.write(frames.submit(call, deadline, [r.payload for r in requests]))
         return items
 
     def cancel(self, items: Sequence[Item[Job]]) -> None:
@@ -63,7 +63,7 @@ class ModelClient:
         if call is not None and self._calls.pop(call, None) is not None:
             self._unanswered.pop(call, None)
             if not self.gone and not self._writer.is_closing():
-                self._writer.write(wire.frame(wire.CANCEL, call))
+                self._writer.write(frames.frame(frames.CANCEL, call))
 
     def send(self, data: bytes) -> None:
         if not self._writer.is_closing():
@@ -83,20 +83,20 @@ class ModelClient:
     async def _read(self) -> None:
         try:
             while True:
-                kind, call, body = await wire.read_frame(self._reader, self._max_frame)
-                if kind == wire.RESULT:
-                    index, done = wire.read_result(body)
+                kind, call, body = await frames.read_frame(self._reader, self._max_frame)
+                if kind == frames.RESULT:
+                    index, done = frames.read_result(body)
                     self._settle(call, index, done)
-                elif kind == wire.ERROR:
-                    index, error = wire.read_error(body)
+                elif kind == frames.ERROR:
+                    index, error = frames.read_error(body)
                     self._settle(call, index, error)
-                elif kind == wire.DRAIN:
-                    self._on_drain(wire.read_drain(body))
+                elif kind == frames.DRAIN:
+                    self._on_drain(frames.read_drain(body))
                 else:
-                    raise wire.FrameError(f"unexpected frame kind {kind} from the model process")
+                    raise frames.FrameError(f"unexpected frame kind {kind} from the model process")
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             pass
-        except wire.FrameError as exc:
+        except frames.FrameError as exc:
             log.error("bad frame from the model process: %s", exc)
         self.gone = True
         for call in list(self._calls):

@@ -1,0 +1,79 @@
+"""What the edge's own pieces cost, in process, one at a time (issue 22): per call on the event loop
+(parse and validate, build and serialize the response, the request metrics) and per batch on the model
+thread (the batch choice, the batch metrics). Timed on whatever tree is first on the path, so two trees
+compare as
+
+    PYTHONPATH=/path/to/other/checkout python bench/doors_parts.py
+    PYTHONPATH=. python bench/doors_parts.py
+
+Prints a markdown table: the minimum over `--repeat` runs of `--number` calls, in microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry
+
+from client.messages import EncodeOptions, build_request
+from proto.attention.v1 import attention_pb2 as pb
+from service.batching import Done
+from service.batching.choice import choose_batch
+from service.batching.types import BatchLimits
+from service.config import ServiceConfig
+from service.doors.attention_v1 import _response
+from service.jobs import ModelSpec, Output
+from service.metrics import Metrics
+from service.validation import validate
+
+
+def parts() -> list[tuple[str, Callable[[], Any]]]:
+    spec = ModelSpec(name="edge", version="1", checksum="x", d_model=32, n_heads=4, n_layers=1, vocab_size=100,
+                     max_length=64, positional="sinusoidal", precision="fp32", device="cpu", tokenizer=None,
+                     attention_scale=32 ** -0.5, standard_scale=True, relative_bias="none")
+    config = ServiceConfig()
+    raw = build_request([np.arange(16, dtype=np.int64)], EncodeOptions(), request_id="bench-1").SerializeToString()
+    parse = pb.EncodeRequest.FromString
+    plan = validate(parse(raw), spec, config)
+    done = [Done(Output(np.zeros((16, 32), np.float32), None, None, False), 0.001, 0.001, 8, 16)]
+    metrics = Metrics(CollectorRegistry())
+    limits = BatchLimits(max_batch_tokens=1024, max_batch_size=64)
+    # Before long inputs (issue 21) the response took no per-sequence outputs: both trees run this.
+    outputs = ([d.output for d in done],) if len(inspect.signature(_response).parameters) == 4 else ()
+    response_args = (plan, done, *outputs, spec)
+    ages8 = [0.001 * i for i in range(8, 0, -1)]  # oldest first
+    return [
+        ("parse + validate, one 16-id sequence (event loop, per call)", lambda: validate(parse(raw), spec, config)),
+        ("build and serialize the response (event loop, per call)",
+         lambda: _response(*response_args).SerializeToString()),
+        ("attention_requests_total + duration (per call)", lambda: metrics.observe_request("Encode", "OK", 0.01)),
+        ("choose_batch, 4 mixed lengths (model thread, per batch)",
+         lambda: choose_batch([16, 17, 18, 19], [0.004, 0.003, 0.002, 0.001], limits)),
+        ("choose_batch, 8 mixed lengths", lambda: choose_batch(list(range(16, 24)), ages8, limits)),
+        ("choose_batch, 8 calls of 16 tokens", lambda: choose_batch([16] * 8, ages8, limits)),
+        ("on_batch, 8 sequences (model thread, per batch)", lambda: metrics.on_batch(8, 16, 128, [0.001] * 8, True)),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/doors_parts.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--number", type=int, default=3000)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args(argv)
+    if not (1 <= args.number <= 100_000 and 1 <= args.repeat <= 50):
+        parser.error("--number must be in 1..100000 and --repeat in 1..50")
+    print("| piece | us |\n|---|---:|")
+    for name, fn in parts():
+        seconds = min(timeit.repeat(fn, number=args.number, repeat=args.repeat)) / args.number
+        print(f"| {name} | {1e6 * seconds:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

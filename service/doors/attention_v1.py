@@ -1,0 +1,195 @@
+"""attention.v1.AttentionService: proto <-> domain. Nothing else: admission, waiting and every call's
+outcome are service/doors/calls.py's, shared with any other front door.
+
+Handlers take raw request bytes and parse them here, so that a malformed message is answered
+INVALID_ARGUMENT instead of grpcio's UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.codec import SERVICE_NAME, fill_tensor
+from service.batching import Done
+from service.chunking import stitch_all
+from service.doors.calls import Calls, parse, public, remaining
+from service.errors import InvalidInput, NonFiniteInput, ServiceError, status_of
+from service.jobs import ModelSpec, Output
+from service.metrics import Metrics
+from service.output_range import check_representable
+from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, tokenize, validate
+
+
+class AttentionServicer:
+    def __init__(self, edge: Calls, metrics: Metrics) -> None:
+        self._edge = edge
+        self._config = edge.config
+        self._metrics = metrics
+
+    # -- handlers (raw bytes in, raw bytes out) --------------------------------------------------
+
+    async def encode(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = parse(pb.EncodeRequest, raw)
+            response = await self._encode(request, remaining(context, self._config))
+            data: bytes = response.SerializeToString()
+            return data
+
+        return await self._edge.answer("Encode", context, work)
+
+    async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            parse(pb.GetModelInfoRequest, raw)
+            data: bytes = self._model_info().SerializeToString()
+            return data
+
+        return await self._edge.answer("GetModelInfo", context, work)
+
+    async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = parse(pb.TokenizeRequest, raw)
+            if sum(len(t) for t in request.texts) > TOKENIZE_INLINE_CHARS:
+                response = await asyncio.to_thread(self._tokenize, request)  # beside the loop, as _encode does
+            else:
+                response = self._tokenize(request)
+            data: bytes = response.SerializeToString()
+            return data
+
+        return await self._edge.answer("Tokenize", context, work)
+
+    async def encode_stream(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """One response per request, in completion order, flow-controlled (`Calls.stream`); a failed
+        request answers with `error` set."""
+        async def one(raw: bytes) -> bytes:
+            request_id = ""
+
+            async def work() -> bytes:
+                nonlocal request_id
+                request = parse(pb.EncodeRequest, raw)
+                request_id = request.request_id
+                data: bytes = (await self._encode(request, remaining(context, self._config))).SerializeToString()
+                return data
+
+            return await self._edge.answer_in_stream(
+                "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())
+
+        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
+            async for response in responses:
+                yield response
+
+    # -- the call ---------------------------------------------------------------------------------
+
+    async def _encode(self, request: pb.EncodeRequest, seconds: float) -> pb.EncodeResponse:
+        spec, _ = self._edge.serving.require_ready()
+        try:
+            if spec.tokenizer is not None and text_chars(request) > TOKENIZE_INLINE_CHARS:
+                # The Rust tokenizer releases the GIL: a big call tokenizes beside the event loop, not on it.
+                plan = await asyncio.to_thread(validate, request, spec, self._config)
+            else:
+                plan = validate(request, spec, self._config)
+        except NonFiniteInput:
+            self._metrics.nonfinite_inputs.inc()
+            raise
+        done = await self._edge.compute(plan.jobs, seconds)
+        outputs = [d.output for d in done]
+        if plan.chunks:
+            outputs = stitch_all(plan.chunks, outputs)
+        check_representable(outputs, plan.output_dtype, plan.attention_dtype)
+        return _response(plan, done, outputs, spec)
+
+    def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        """Encode's own tokenization (service/validation.py `tokenize`: limits, prompt, truncation, errors)."""
+        spec, _ = self._edge.serving.require_ready()
+        n = len(request.texts)
+        if not 1 <= n <= self._config.max_sequences_per_call:
+            raise InvalidInput("texts", f"must hold 1..{self._config.max_sequences_per_call} texts; got {n}")
+        encoded = tokenize(request.texts, spec, self._config, fields=[f"texts[{i}]" for i in range(n)],
+                           truncate=request.truncate, prompt_name=request.prompt_name, all_field="texts",
+                           prompt_field="prompt_name")
+        response = pb.TokenizeResponse()
+        for enc in encoded:
+            text = response.texts.add(token_count=len(enc.ids), truncated=enc.truncated, tokens=enc.tokens)
+            text.ids.extend(enc.ids.tolist())
+        return response
+
+    def _model_info(self) -> pb.ModelInfo:
+        spec, _ = self._edge.serving.require_ready()
+        c = self._config
+        info = pb.ModelInfo(
+            name=spec.name, version=spec.version, checksum=spec.checksum, d_model=spec.d_model,
+            n_heads=spec.n_heads, n_layers=spec.n_layers, vocab_size=spec.vocab_size, max_length=spec.max_length,
+            positional=spec.positional, precision=spec.precision, device=spec.device,
+            attention_scale=spec.attention_scale, standard_scale=spec.standard_scale, relative_bias=spec.relative_bias,
+            limits=pb.Limits(
+                max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
+                max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
+            ),
+        )
+        if spec.tokenizer is not None:
+            t = spec.tokenizer.settings
+            info.text.CopyFrom(pb.TextInfo(
+                accepted=True, max_tokens=t.max_tokens, truncation_side=t.truncation_side,
+                default_pooling=pb.POOLING_MEAN if t.pooling == "mean" else pb.POOLING_CLS,
+                default_normalize=t.normalize, prompts=t.prompts, default_prompt_name=t.default_prompt_name,
+                tokenizer_checksum=t.tokenizer_sha256, max_text_chars=c.max_text_chars,
+            ))
+        return info
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        serialize: Any = bytes
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Encode": grpc.unary_unary_rpc_method_handler(self.encode, response_serializer=serialize),
+            "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream, response_serializer=serialize),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=serialize),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(self.tokenize, response_serializer=serialize),
+        })
+
+
+def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
+    """A failed EncodeStream request's answer: the same code and message a unary call would get."""
+    return pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
+        code=status_of(error), message=public(error.message), field=public(getattr(error, "field", ""))))
+
+
+def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec: ModelSpec) -> pb.EncodeResponse:
+    """`done`: every job's (a chunked sequence's windows each); `outputs`: one per sequence of the call."""
+    if len(done) == 1:  # the common call: no scans over the results
+        widest = done[0]
+        queue_s, compute_s, fp32_retry = widest.queue_s, widest.compute_s, widest.output.fp32_rerun
+    else:
+        widest = max(done, key=lambda d: d.batch_size)
+        queue_s, compute_s = max(d.queue_s for d in done), max(d.compute_s for d in done)
+        fp32_retry = any(d.output.fp32_rerun for d in done)
+    response = pb.EncodeResponse(request_id=plan.request_id)
+    # Set in place: building a ResponseMetadata and then the response from it copies it once more.
+    m = response.metadata
+    m.queue_us, m.compute_us = int(queue_s * 1e6), int(compute_s * 1e6)
+    m.batch_size, m.padded_length, m.fp32_retry = widest.batch_size, widest.padded_length, fp32_retry
+    m.precision, m.device, m.model_name, m.model_version = spec.precision, spec.device, spec.name, spec.version
+    sequences = plan.sequences
+    for i, out in enumerate(outputs):
+        # Filled in place: building submessages and then the response from them copies every tensor twice.
+        text = plan.texts[i] if plan.texts else None
+        chunk = plan.chunks[i] if plan.chunks else None
+        seq = response.outputs.add(nonfinite=out.fp32_rerun, token_count=sequences[i].length,
+                                   truncated=(text is not None and text.truncated) or (
+                                       bool(plan.truncated) and plan.truncated[i]),
+                                   windows=len(chunk.starts) if chunk is not None else 0)
+        if text is not None and plan.return_tokens:
+            fill_tensor(seq.token_ids, text.ids, pb.DTYPE_INT64)
+            seq.tokens.extend(text.tokens)
+        if out.hidden is not None:
+            fill_tensor(seq.hidden, out.hidden, plan.output_dtype)
+        if out.pooled is not None:
+            fill_tensor(seq.pooled, out.pooled, plan.output_dtype)
+        if out.attention is not None:
+            fill_tensor(seq.attention, out.attention, plan.attention_dtype)
+    return response

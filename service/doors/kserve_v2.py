@@ -1,0 +1,611 @@
+"""inference.GRPCInferenceService (KServe v2 / Open Inference Protocol): v2 messages <-> our Jobs. Nothing else.
+
+The messages are the ones `tritonclient` ships (`tritonclient.grpc.service_pb2`, `model_config_pb2`),
+so the wire is upstream's and shares its descriptors with any tritonclient in the process. Calls
+take the same path as attention.v1 (service/doors/calls.py: admission, the batcher, the outcome, the stream
+loop; the same error table and metrics): each row of `input_ids` is one sequence in the same batches
+as Encode's. Choices a Triton user would look for (README "Calling it from tritonclient" has the
+tables):
+
+- unknown model or version: NOT_FOUND "Request for unknown model: ..." (Triton's text); ModelReady
+  answers ready=false for it, as Triton does;
+- no outputs requested: `last_hidden_state` and `pooled` (attention only when requested);
+- rows of one request may differ in length: `attention_mask` marks each row's real tokens, ones
+  then zeros (right padding); outputs are padded back to the request's T with zeros;
+- options are request parameters (`pooling`, `datatype`, `attention_layers`, ...); an unknown
+  parameter is INVALID_ARGUMENT, so a misspelt one is never silently ignored;
+- rows longer than the model: parameters `long_inputs` ("error", "truncate", "chunk"; unset: what the
+  bool `truncate` says) and `chunk_stride`, as attention.v1's fields (service/chunking.py). Outputs
+  are padded to the longest row that ran (a truncated call's T is at most max_length); the response
+  parameters `truncated` (some row was cut) and `windows` (windows of the chunked rows, summed) say so;
+- ModelStatistics is model-wide (both front doors), read from the service's metrics;
+- ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
+  "[StatusCode.X] message" and the stream goes on. Repository, shared-memory, trace and log RPCs
+  are UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as v2
+
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.codec import float32_to_bfloat16_bits
+from service.batching import Done
+from service.chunking import CHUNK, ERROR, MODES, TRUNCATE, LongInputs, choose, stitch_all
+from service.doors.calls import Calls, parse, public, remaining
+from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, status_of
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec, Output
+from service.metrics import Metrics
+from service.output_range import check_arrays
+
+if TYPE_CHECKING:
+    from model.text import Encoded
+from service.validation import MAX_REQUEST_ID, TOKENIZE_INLINE_CHARS, tokenize, validate_rows
+
+SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+SERVER_NAME = "attention-service"
+SERVER_VERSION = "0.1.0"  # pyproject.toml's
+EXTENSIONS = ("model_configuration", "statistics", "parameters")
+PLATFORM = "pytorch_libtorch"  # Triton's name for a TorchScript model
+
+IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
+HIDDEN, POOLED, EMBEDDINGS, ATTENTION = "last_hidden_state", "pooled", "embeddings", "attention"
+DEFAULT_OUTPUTS = (HIDDEN, POOLED)
+_INT_TYPES: dict[str, np.dtype[Any]] = {"INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
+_FLOAT_TYPES = {"FP32": pb.DTYPE_FLOAT32, "FP16": pb.DTYPE_FLOAT16, "BF16": pb.DTYPE_BFLOAT16}
+_ITEMSIZE = {"FP32": 4, "FP16": 2, "BF16": 2}
+_POOLINGS = {"mean": POOL_MEAN, "cls": POOL_CLS, "model": pb.POOLING_MODEL}  # model: a text bundle's own
+_HEADS = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
+# Request parameters tritonclient or Triton itself may send, accepted and not acted on.
+_IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
+_PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
+                         "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
+                         "chunk_stride"}) | _IGNORED
+_INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
+
+
+class KServeServicer:
+    def __init__(self, edge: Calls, metrics: Metrics, workers: int = 1) -> None:
+        self._edge = edge
+        self._config = edge.config
+        self._metrics = metrics
+        self._workers = workers
+        self._last_inference_ms = 0
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        handlers: dict[str, tuple[Any, Callable[..., Any]]] = {
+            "ServerLive": (v2.ServerLiveRequest, lambda _: v2.ServerLiveResponse(live=True)),
+            "ServerReady": (v2.ServerReadyRequest, lambda _: v2.ServerReadyResponse(ready=self._ready())),
+            "ModelReady": (v2.ModelReadyRequest, self._model_ready),
+            "ServerMetadata": (v2.ServerMetadataRequest, lambda _: v2.ServerMetadataResponse(
+                name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)),
+            "ModelMetadata": (v2.ModelMetadataRequest, self._model_metadata),
+            "ModelConfig": (v2.ModelConfigRequest, self._model_config),
+            "ModelStatistics": (v2.ModelStatisticsRequest, self._model_statistics),
+        }
+        methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, *h), response_serializer=bytes)
+                   for name, h in handlers.items()}
+        methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(self.model_infer, response_serializer=bytes)
+        methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+            self.model_stream_infer, response_serializer=bytes)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+    def _unary(self, method: str, request_type: Any, handle: Callable[[Any], Any]) -> Any:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            async def work() -> bytes:
+                data: bytes = handle(parse(request_type, raw)).SerializeToString()
+                return data
+
+            return await self._edge.answer(method, context, work)
+
+        return call
+
+    async def model_infer(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = parse(v2.ModelInferRequest, raw)
+            data: bytes = (await self._infer(request, remaining(context, self._config))).SerializeToString()
+            return data
+
+        return await self._edge.answer("ModelInfer", context, work)
+
+    async def model_stream_infer(self, requests: AsyncIterator[bytes],
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """One response per request, in completion order (`id` echoed). A failed request answers with
+        `error_message` "[StatusCode.X] message" (the text tritonclient shows for a unary error; the
+        stream has no code field) and the stream goes on."""
+        async def one(raw: bytes) -> bytes:
+            request_id, final = "", False
+
+            async def work() -> bytes:
+                nonlocal request_id, final
+                request = parse(v2.ModelInferRequest, raw)
+                request_id = request.id
+                final = _final_flag(request)
+                response = v2.ModelStreamInferResponse(
+                    infer_response=await self._infer(request, remaining(context, self._config)))
+                if final:
+                    response.infer_response.parameters["triton_final_response"].bool_param = True
+                data: bytes = response.SerializeToString()
+                return data
+
+            def failed(error: ServiceError) -> bytes:
+                response = v2.ModelStreamInferResponse(
+                    error_message=public(f"[StatusCode.{status_of(error)}] {error.message}"),
+                    infer_response=v2.ModelInferResponse(id=request_id))
+                if final:
+                    response.infer_response.parameters["triton_final_response"].bool_param = True
+                data: bytes = response.SerializeToString()
+                return data
+
+            return await self._edge.answer_in_stream("ModelStreamInfer", work, failed)
+
+        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
+            async for response in responses:
+                yield response
+
+    # -- health and description -------------------------------------------------------------------
+
+    def _ready(self) -> bool:
+        # attention_ready is the readiness grpc.health.v1 reports: 1 once warm, 0 from the moment a
+        # shutdown starts (through the drain delay, while calls are still served).
+        return self._edge.serving.spec is not None and self._sample("attention_ready") == 1
+
+    def _model_ready(self, request: Any) -> Any:
+        spec = self._edge.serving.spec
+        known = spec is not None and _names(spec, request.name, request.version)
+        return v2.ModelReadyResponse(ready=known and self._ready())
+
+    def _served(self, name: str, version: str) -> ModelSpec:
+        spec, _ = self._edge.serving.require_ready()
+        if not _names(spec, name, version):
+            version_text = f" version {_shown(version, quote=False)}" if version else ""
+            raise NotFound(f"Request for unknown model: {_shown(name)}{version_text} is not found")
+        return spec
+
+    def _model_metadata(self, request: Any) -> Any:
+        spec = self._served(request.name, request.version)
+        meta = v2.ModelMetadataResponse.TensorMetadata
+        return v2.ModelMetadataResponse(
+            name=spec.name, versions=[spec.version], platform=PLATFORM,
+            inputs=[meta(name=name, datatype="INT64", shape=[-1, -1]) for name in (IDS, MASK, TYPES)],
+            outputs=[meta(name=name, datatype="FP32", shape=[-1, *dims]) for name, dims in self._outputs(spec)],
+        )
+
+    def _outputs(self, spec: ModelSpec) -> list[tuple[str, list[int]]]:
+        """Each output and its dims after the batch dim (-1: variable)."""
+        outputs = [(HIDDEN, [-1, spec.d_model]), (POOLED, [spec.d_model])]
+        if self._config.allow_attention:
+            outputs.append((ATTENTION, [-1, -1, -1, -1]))  # layers asked, heads (or 1), T, T
+        return outputs
+
+    def _model_config(self, request: Any) -> Any:
+        spec = self._served(request.name, request.version)
+        c = self._config
+        ids = [mc.ModelInput(name=IDS, data_type=mc.TYPE_INT64, dims=[-1])]
+        optional = [mc.ModelInput(name=name, data_type=mc.TYPE_INT64, dims=[-1], optional=True)
+                    for name in (MASK, TYPES)]
+        group = mc.ModelInstanceGroup
+        kind = group.KIND_GPU if spec.device.startswith("cuda") else group.KIND_CPU
+        described = {"d_model": spec.d_model, "n_heads": spec.n_heads, "n_layers": spec.n_layers,
+                     "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
+                     "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
+                     "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
+                     "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias}
+        config = mc.ModelConfig(
+            name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=ids + optional,
+            output=[mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims) for name, dims in self._outputs(spec)],
+            dynamic_batching=mc.ModelDynamicBatching(
+                max_queue_delay_microseconds=int(c.max_wait_ms * 1e3),
+                default_queue_policy=mc.ModelQueuePolicy(
+                    max_queue_size=c.max_queue_requests, default_timeout_microseconds=int(c.default_timeout_s * 1e6),
+                    allow_timeout_override=True)),
+            instance_group=[mc.ModelInstanceGroup(kind=kind, count=self._workers)],
+            parameters={key: mc.ModelParameter(string_value=str(value)) for key, value in described.items()},
+        )
+        return v2.ModelConfigResponse(config=config)
+
+    def _model_statistics(self, request: Any) -> Any:
+        """Triton's shape, model-wide (attention.v1 calls included), from the service's metrics:
+        success/fail per call, queue per sequence, compute_infer per forward (warm-up's included);
+        compute_input/output are inside compute_infer here, and batch_stats is left empty."""
+        if request.name:
+            spec = self._served(request.name, request.version)
+        else:
+            spec, _ = self._edge.serving.require_ready()
+        stats = v2.ModelStatistics(
+            name=spec.name, version=spec.version, last_inference=self._last_inference_ms,
+            inference_count=int(self._sample("attention_sequences_total")),
+            execution_count=int(sum(self._sample("attention_batches_total", {"width": w}) for w in ("wide", "narrow"))),
+        )
+        calls = stats.inference_stats
+        for sample in self._samples(self._metrics.request_duration):
+            if sample.labels.get("method") in _INFER_METHODS:
+                into = calls.success if sample.labels["code"] == "OK" else calls.fail
+                if sample.name.endswith("_count"):
+                    into.count += int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    into.ns += int(sample.value * 1e9)
+        _duration(calls.queue, self._sample("attention_queue_duration_seconds_count"),
+                  self._sample("attention_queue_duration_seconds_sum"))
+        for sample in self._samples(self._metrics.compute_duration):
+            if sample.name.endswith("_count"):
+                calls.compute_infer.count += int(sample.value)
+            elif sample.name.endswith("_sum"):
+                calls.compute_infer.ns += int(sample.value * 1e9)
+        return v2.ModelStatisticsResponse(model_stats=[stats])
+
+    def _sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self._metrics.view.get_sample_value(name, labels or {}) or 0.0
+
+    def _samples(self, metric: Any) -> list[Any]:
+        if self._metrics.view is self._metrics.registry:
+            return [sample for family in metric.collect() for sample in family.samples]
+        return [sample for family in self._metrics.view.collect() if family.name == metric._name
+                for sample in family.samples]
+
+    # -- inference --------------------------------------------------------------------------------
+
+    async def _tokenized(self, texts: list[str], spec: ModelSpec, params: dict[str, Any],
+                         long: LongInputs) -> list[Encoded]:
+        """The `text` rows tokenized (off the event loop for a big call), every text limit checked."""
+        prompt = params.get("prompt_name", "")
+        if not isinstance(prompt, str):
+            raise InvalidInput("parameters.prompt_name", f"must be a string; got {_shown(prompt)}")
+        fields = [f"{TEXT}[{i}]" for i in range(len(texts))]
+
+        def run() -> list[Encoded]:
+            return tokenize(texts, spec, self._config, fields=fields, truncate=long.mode == TRUNCATE,
+                            keep_long=long.mode == CHUNK, prompt_name=prompt, all_field=TEXT,
+                            prompt_field="parameters.prompt_name")
+
+        return await asyncio.to_thread(run) if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS else run()
+
+    async def _infer(self, request: Any, seconds: float) -> Any:
+        if len(request.id) > MAX_REQUEST_ID:
+            raise InvalidInput("id", f"at most {MAX_REQUEST_ID} characters; got {len(request.id)}")
+        params = _parameters(request.parameters)
+        if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
+            seconds = min(seconds, timeout_us / 1e6)
+        spec = self._served(request.model_name, request.model_version)
+        inputs, texts = _inputs(request)
+        outputs = _requested(request, self._config.allow_attention)
+        options = _options(params, outputs, text_model=spec.tokenizer is not None)
+        window = spec.tokenizer.settings.max_tokens if texts is not None and spec.tokenizer is not None else 0
+        long = _long_inputs(params, window or spec.max_length)
+        cut_text = False
+        if texts is not None:
+            encoded = await self._tokenized(texts, spec, params, long)
+            rows, field, cut_text = [enc.ids for enc in encoded], TEXT, any(enc.truncated for enc in encoded)
+            T = max(len(row) for row in rows)
+        else:
+            ids = inputs.get(IDS)
+            if ids is None:
+                raise InvalidInput(IDS, f"required (INT32 or INT64, [batch, T]), or {TEXT} (BYTES, [batch])")
+            batch, T = ids.shape
+            lengths = _lengths(inputs, batch, T)
+            rows, field = [ids[i, : lengths[i]] for i in range(batch)], IDS
+            if long.mode == TRUNCATE:
+                T = min(T, spec.max_length)
+        plan = validate_rows(rows, field, *options, spec, self._config, request_id=request.id, padded_to=T,
+                             layers_field="attention_layers", long=long, window=window, attention_field=ATTENTION)
+        done = await self._edge.compute(plan.jobs, seconds)
+        results = [d.output for d in done]
+        if plan.chunks:
+            results = stitch_all(plan.chunks, results)
+        for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
+            arrays = [a for r in results if (a := _array_of(r, name)) is not None]
+            check_arrays(name, arrays, _FLOAT_TYPES[datatype])
+        self._last_inference_ms = int(time.time() * 1e3)
+        response = _response(request, spec, done, results, outputs, T)
+        if cut_text or plan.truncated:
+            response.parameters["truncated"].bool_param = True
+        if plan.chunks:
+            response.parameters["windows"].int64_param = sum(len(c.starts) for c in plan.chunks if c is not None)
+        return response
+
+
+def _long_inputs(params: dict[str, Any], window: int) -> LongInputs:
+    """`long_inputs`, `truncate` and `chunk_stride` as the call's choice (attention.v1's rules)."""
+    truncate = params.get("truncate", False)
+    if not isinstance(truncate, bool):
+        raise InvalidInput("parameters.truncate", f"must be a bool; got {_shown(truncate)}")
+    mode = _str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None
+    return choose(mode, truncate, _int_param(params, "chunk_stride", 0), mode_field="parameters.long_inputs",
+                  stride_field="parameters.chunk_stride", windows=[window])
+
+
+def _final_flag(request: Any) -> bool:
+    """Triton's `triton_enable_empty_final_response`: mark each (single) response as the request's last."""
+    flag = request.parameters.get("triton_enable_empty_final_response")
+    return flag is not None and flag.bool_param
+
+
+def _shown(value: Any, quote: bool = True) -> str:
+    """A caller's value in a message: only when short and plain, so no request data (or a path, or
+    control characters) is echoed back."""
+    text = str(value)
+    if not _PLAIN.fullmatch(text):
+        return "(not shown)"
+    return repr(text) if quote and isinstance(value, str) else text
+
+
+def _names(spec: ModelSpec, name: str, version: str) -> bool:
+    return name == spec.name and version in ("", spec.version)
+
+
+def _duration(into: Any, count: float, seconds: float) -> None:
+    into.count, into.ns = int(count), int(seconds * 1e9)
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """Request parameters by name, as Python values; unknown names refused."""
+    values = {}
+    for name, value in parameters.items():
+        if name not in _PARAMETERS:
+            raise InvalidInput(f"parameters.{_shown(name, quote=False)}",
+                               f"unknown parameter; known: {', '.join(sorted(_PARAMETERS))}")
+        kind = value.WhichOneof("parameter_choice")
+        values[name] = None if kind is None else getattr(value, kind)
+    return values
+
+
+def _str_param(params: dict[str, Any], name: str, allowed: Sequence[str], default: str) -> str:
+    value = params.get(name, default)
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise InvalidInput(f"parameters.{name}", f"must be one of {', '.join(allowed)}; got {_shown(value)}")
+    return value.lower()
+
+
+def _int_param(params: dict[str, Any], name: str, default: int) -> int:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {_shown(value)}")
+    return value
+
+
+def _layers(params: dict[str, Any]) -> list[int]:
+    """`attention_layers`: an int64, or a string of comma-separated ints ("0,-1"); absent = all."""
+    value = params.get("attention_layers")
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    try:
+        if isinstance(value, str):
+            return [int(part) for part in value.split(",")]
+    except ValueError:
+        pass
+    raise InvalidInput("parameters.attention_layers", f"must be an int or comma-separated ints; got {_shown(value)}")
+
+
+def _options(params: dict[str, Any], outputs: dict[str, str], *, text_model: bool = False,
+             ) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
+    """The v2 request's outputs and parameters as our contract's options (validated by validate_rows).
+    A text model pools and normalises as the bundle says unless the parameters say otherwise."""
+    pooled = POOLED in outputs or EMBEDDINGS in outputs
+    for name in ("pooling", "normalize"):
+        if name in params and not pooled:
+            raise InvalidInput(f"parameters.{name}", "given, but no pooled (or embeddings) output requested")
+    default = "model" if text_model else "mean"
+    pooling = _POOLINGS[_str_param(params, "pooling", list(_POOLINGS), default)] if pooled else POOL_NONE
+    floats = [outputs_dtype for name, outputs_dtype in outputs.items() if name != ATTENTION]
+    # Sized by the widest of the hidden and pooled outputs (each is converted on its own when sent).
+    dtype = max(floats, key=_ITEMSIZE.__getitem__) if floats else "FP32"
+    wants_attention = ATTENTION in outputs
+    for name in ("attention_layers", "attention_heads", "attention_datatype"):
+        if name in params and not wants_attention:
+            raise InvalidInput(f"parameters.{name}", "given, but the attention output is not requested")
+    heads = _HEADS[_str_param(params, "attention_heads", list(_HEADS), "all")]
+    output = pb.OutputOptions(return_hidden=HIDDEN in outputs, pooling=pooling,  # type: ignore[arg-type]
+                              dtype=_FLOAT_TYPES[dtype])
+    if "normalize" in params:
+        if not isinstance(params["normalize"], bool):
+            raise InvalidInput("parameters.normalize", f"must be a bool; got {_shown(params['normalize'])}")
+        output.normalize = params["normalize"]
+    return (output,
+            pb.AttentionOptions(return_attention=wants_attention, layers=_layers(params), heads=heads,
+                                dtype=_FLOAT_TYPES[outputs.get(ATTENTION, "FP32")]))
+
+
+def _requested(request: Any, allow_attention: bool) -> dict[str, str]:
+    """Requested output name -> datatype, in the order asked (`embeddings` is `pooled` by another name)."""
+    default = _float_param(request.parameters, "datatype", "parameters.datatype")
+    if not request.outputs:
+        return dict.fromkeys(DEFAULT_OUTPUTS, default)
+    known = (HIDDEN, POOLED, EMBEDDINGS, ATTENTION)
+    outputs: dict[str, str] = {}
+    for i, output in enumerate(request.outputs):
+        if output.name not in known:
+            raise InvalidInput(f"outputs[{i}]",
+                               f"unknown output {_shown(output.name)}; this model has {', '.join(known)}")
+        if output.name in outputs:
+            raise InvalidInput(output.name, "requested twice")
+        for name in output.parameters:
+            if name != "datatype":
+                raise InvalidInput(f"{output.name}.parameters.{_shown(name, quote=False)}",
+                                   "not supported (only datatype)")
+        if output.name == ATTENTION and not allow_attention:
+            raise FailedPrecondition("attention output is disabled on this deployment")
+        fallback = _float_param(request.parameters, "attention_datatype", "parameters.attention_datatype") \
+            if output.name == ATTENTION else default
+        outputs[output.name] = _float_param(output.parameters, "datatype", f"{output.name}.parameters.datatype",
+                                            fallback)
+    return outputs
+
+
+def _float_param(parameters: Any, name: str, field: str, default: str = "FP32") -> str:
+    if name not in parameters:
+        return default
+    value: str = parameters[name].string_param.upper()
+    if value not in _FLOAT_TYPES:
+        raise InvalidInput(field, f"must be FP32, FP16 or BF16; got {_shown(parameters[name].string_param)}")
+    return value
+
+
+def _inputs(request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
+    """Input name -> array ([batch, T] ints), from raw_input_contents or the typed contents; and the
+    `text` rows, when given (then no other input may be)."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInput("raw_input_contents", f"holds {len(raw)} tensors for {len(request.inputs)} inputs")
+    arrays: dict[str, np.ndarray] = {}
+    texts: list[str] | None = None
+    for i, tensor in enumerate(request.inputs):
+        name = tensor.name
+        if name not in (IDS, MASK, TYPES, TEXT):
+            raise InvalidInput(f"inputs[{i}]", f"unknown input {_shown(name)}; this model takes {IDS}, {MASK}, {TYPES}")
+        if name in arrays or (name == TEXT and texts is not None):
+            raise InvalidInput(name, "given twice")
+        if any(key.startswith("shared_memory") for key in tensor.parameters):
+            raise InvalidInput(name, "shared-memory inputs are not supported; send the data in the request")
+        if name == TEXT:
+            texts = _decode_text(tensor, raw[i] if raw else None)
+            continue
+        arrays[name] = _decode(tensor, raw[i] if raw else None)
+    if texts is not None and arrays:
+        raise InvalidInput(TEXT, f"send {TEXT} or {IDS} (with {MASK}), not both")
+    shape = arrays[IDS].shape if IDS in arrays else None
+    for name in (MASK, TYPES):
+        if name in arrays and arrays[name].shape != shape:
+            raise InvalidInput(name, f"shape must equal {IDS}'s {list(shape or ())}; got {list(arrays[name].shape)}")
+    return arrays, texts
+
+
+def _decode_text(tensor: Any, raw: bytes | None) -> list[str]:
+    """A BYTES tensor of [batch] (or [batch, 1]) UTF-8 strings: raw (each a 4-byte little-endian length,
+    then the bytes, as tritonclient serializes them) or typed (bytes_contents)."""
+    shape = [int(d) for d in tensor.shape]
+    if tensor.datatype != "BYTES":
+        raise InvalidInput(TEXT, f"datatype must be BYTES; got {_shown(tensor.datatype)}")
+    if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
+        raise InvalidInput(TEXT, f"shape must be [batch] or [batch, 1], batch at least 1; got {shape}")
+    count = shape[0]
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InvalidInput(TEXT, "data given both in raw_input_contents and in contents")
+        items: list[bytes] = []
+        at = 0
+        while at < len(raw) and len(items) <= count:
+            if at + 4 > len(raw):
+                raise InvalidInput(TEXT, "raw contents end inside a length prefix")
+            size = int.from_bytes(raw[at: at + 4], "little")
+            if at + 4 + size > len(raw):
+                raise InvalidInput(TEXT, f"raw contents end inside element {len(items)}")
+            items.append(raw[at + 4: at + 4 + size])
+            at += 4 + size
+    else:
+        items = list(tensor.contents.bytes_contents)
+    if len(items) != count:
+        raise InvalidInput(TEXT, f"holds {len(items)} strings; shape {shape} needs {count}")
+    texts = []
+    for i, item in enumerate(items):
+        try:
+            texts.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{TEXT}[{i}]", "is not valid UTF-8") from None
+    return texts
+
+
+def _decode(tensor: Any, raw: bytes | None) -> np.ndarray:
+    name, datatype, shape = tensor.name, tensor.datatype, [int(d) for d in tensor.shape]
+    if datatype not in _INT_TYPES:
+        raise InvalidInput(name, f"datatype must be INT32 or INT64; got {_shown(datatype)}")
+    if len(shape) != 2 or min(shape) < 1:
+        raise InvalidInput(name, f"shape must be [batch, T], both at least 1; got {shape}")
+    dtype = _INT_TYPES[datatype]
+    count = shape[0] * shape[1]
+    if raw is not None:
+        if tensor.HasField("contents"):
+            raise InvalidInput(name, "data given both in raw_input_contents and in contents")
+        if len(raw) != count * dtype.itemsize:
+            raise InvalidInput(name, f"byte size mismatch: shape {shape} of {datatype} needs "
+                                     f"{count * dtype.itemsize} bytes, got {len(raw)}")
+        ids: np.ndarray = np.frombuffer(raw, dtype).reshape(shape)
+        return ids
+    values = tensor.contents.int64_contents if datatype == "INT64" else tensor.contents.int_contents
+    if len(values) != count:
+        raise InvalidInput(name, f"contents hold {len(values)} values; shape {shape} needs {count}")
+    typed: np.ndarray = np.array(values, dtype).reshape(shape)
+    return typed
+
+
+def _lengths(inputs: dict[str, np.ndarray], batch: int, T: int) -> list[int]:
+    """Each row's real length: from attention_mask (ones, then zeros), else T. Checks token_type_ids."""
+    types = inputs.get(TYPES)
+    if types is not None and types.any():
+        i, j = (int(k) for k in np.argwhere(types != 0)[0])
+        raise InvalidInput(f"{TYPES}[{i}, {j}]", "must be 0: this model has no token-type embeddings")
+    mask = inputs.get(MASK)
+    if mask is None:
+        return [T] * batch
+    if ((mask != 0) & (mask != 1)).any():
+        i, j = (int(k) for k in np.argwhere((mask != 0) & (mask != 1))[0])
+        raise InvalidInput(f"{MASK}[{i}, {j}]", f"must be 0 or 1; got {int(mask[i, j])}")
+    lengths = mask.sum(axis=1)
+    right_padded = mask == (np.arange(T)[None, :] < lengths[:, None])
+    for i in range(batch):
+        if lengths[i] == 0:
+            raise InvalidInput(f"{MASK}[{i}]", "no real token (all zeros)")
+        if not right_padded[i].all():
+            raise InvalidInput(f"{MASK}[{i}]", "padding must be on the right: ones, then zeros")
+    return [int(n) for n in lengths]
+
+
+def _array_of(output: Output, name: str) -> np.ndarray | None:
+    return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
+
+
+def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequence[Output],
+              outputs: dict[str, str], T: int) -> Any:
+    """`done`: every job's (windows each); `results`: one output per row (chunked rows stitched)."""
+    widest = max(done, key=lambda d: d.batch_size)
+    response = v2.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
+    p = response.parameters
+    # attention.v1's ResponseMetadata, as parameters.
+    p["queue_us"].int64_param = int(max(d.queue_s for d in done) * 1e6)
+    p["compute_us"].int64_param = int(max(d.compute_s for d in done) * 1e6)
+    p["batch_size"].int64_param = widest.batch_size
+    p["padded_length"].int64_param = widest.padded_length
+    p["precision"].string_param = spec.precision
+    p["device"].string_param = spec.device
+    p["fp32_retry"].bool_param = any(d.output.fp32_rerun for d in done)
+    batch, d_model = len(results), spec.d_model
+    for name, datatype in outputs.items():
+        if name == HIDDEN:
+            array = np.zeros((batch, T, d_model), np.float32)  # (B, T, D), zeros past each row's length
+            for i, r in enumerate(results):
+                hidden = r.hidden
+                assert hidden is not None, "hidden states asked for, none returned. This is a bug."
+                array[i, : hidden.shape[0]] = hidden
+        elif name in (POOLED, EMBEDDINGS):
+            pooled = [r.pooled for r in results if r.pooled is not None]
+            assert len(pooled) == batch, "pooled vectors asked for, not all returned. This is a bug."
+            array = np.stack(pooled)  # (B, D)
+        else:
+            attention = [r.attention for r in results if r.attention is not None]
+            assert len(attention) == batch, "attention asked for, not all returned. This is a bug."
+            L, H = attention[0].shape[:2]
+            array = np.zeros((batch, L, H, T, T), np.float32)  # (B, L, H|1, T, T)
+            for i, a in enumerate(attention):
+                t = a.shape[-1]
+                array[i, :, :, :t, :t] = a
+        response.outputs.add(name=name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(_encode(array, datatype))
+    return response
+
+
+def _encode(array: np.ndarray, datatype: str) -> bytes:
+    if datatype == "BF16":
+        return bytes(float32_to_bfloat16_bits(array).tobytes())
+    return np.ascontiguousarray(array, "<f2" if datatype == "FP16" else "<f4").tobytes()

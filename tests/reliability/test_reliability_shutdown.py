@@ -1,0 +1,172 @@
+"""Shutdown under load, in a real `python -m service` process (RELIABILITY.md S-01..S-03, row 30).
+
+SIGTERM: readiness NOT_SERVING at once, new calls refused, queued and in-flight calls finished or
+answered UNAVAILABLE "shutting down" within the grace period, exit 0 by grace + 1 s, and the
+server's exit ledger balances against what the callers saw. Nothing is left without an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from model import faults
+from proto.attention.v1 import attention_pb2_grpc
+from proto.attention.v1.codec import from_tensor
+from tests.support.helpers import health, ids_request, wait_for
+from tests.support.reliability_helpers import assert_clean_status
+from tests.support.server_process import ServerProcess
+
+Code = grpc.StatusCode
+# One process, and the same service as a model process behind two edge processes (service/multiproc/).
+MODES = pytest.mark.parametrize("mode", [(), ("--edge-processes", "2")], ids=["one-process", "edge-processes"])
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def outcomes_of(calls: list[grpc.aio.UnaryUnaryCall], bound: float) -> list[tuple[Code, object]]:
+    """Each call's terminal status; fails if any is still pending after `bound` seconds."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    _, pending = await asyncio.wait(tasks, timeout=bound)
+    for task in pending:
+        task.cancel()
+    assert not pending, f"{len(pending)} calls left without an answer"
+    results: list[tuple[Code, object]] = []
+    for task in tasks:
+        error = task.exception()
+        if error is None:
+            results.append((Code.OK, task.result()))
+        else:
+            assert isinstance(error, grpc.aio.AioRpcError), repr(error)
+            assert_clean_status(error)
+            results.append((error.code(), error))
+    return results
+
+
+async def not_serving_after_sigterm(server: ServerProcess, probe: grpc.aio.Channel) -> float:
+    """Send SIGTERM; return how long readiness took to read NOT_SERVING on the plaintext health port."""
+    sent = time.monotonic()
+    os.kill(server.proc.pid, signal.SIGTERM)
+    while await health(probe, timeout=2) != NOT_SERVING:
+        assert time.monotonic() - sent < 5, "readiness still SERVING 5 s after SIGTERM"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - sent
+
+
+@MODES
+async def test_sigterm_under_load_answers_every_call_and_exits_zero_in_time(fault_bundle: Path, tmp_path: Path,
+                                                                           reference_model, mode: tuple[str, ...]):
+    grace = 3.0
+    server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--max-batch-size", "4",
+                           "--health-port", "0", "--log-level", "info", *mode, directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            # 30 calls of 200 ms model time each, four to a batch: ~6 s of work for a 3 s grace.
+            seqs = [np.array([faults.SLEEP, i + 1, i + 2]) for i in range(30)]
+            calls = [stub.Encode(ids_request(ids), timeout=30) for ids in seqs]
+            await wait_for(lambda: server.started() == 30, 20, "all 30 calls to start on the server")
+
+            sent = time.monotonic()
+            assert await not_serving_after_sigterm(server, probe) < 1.0
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # a new call, on the open connection
+                await stub.Encode(ids_request([1, 2]), timeout=5)
+            assert refused.value.code() == Code.UNAVAILABLE
+            assert_clean_status(refused.value)
+            async with grpc.aio.insecure_channel(server.target) as fresh:  # and on a new one
+                with pytest.raises(grpc.aio.AioRpcError) as refused_new:
+                    await attention_pb2_grpc.AttentionServiceStub(fresh).Encode(ids_request([1, 2]), timeout=5)
+                assert refused_new.value.code() == Code.UNAVAILABLE
+
+            results = await outcomes_of(calls, grace + 2)
+            answered_in = time.monotonic() - sent
+        code = server.proc.wait(timeout=10)
+        exited_in = time.monotonic() - sent
+    finally:
+        server.kill()
+
+    assert code == 0, server.output()[-3000:]
+    assert answered_in <= grace + 0.5 and exited_in <= grace + 1.0, (answered_in, exited_in)
+    seen: dict[str, int] = {}
+    for (status, outcome), ids in zip(results, seqs, strict=True):
+        seen[status.name] = seen.get(status.name, 0) + 1
+        assert status in (Code.OK, Code.UNAVAILABLE), status
+        if status == Code.UNAVAILABLE:  # our answer, not grpcio's "Cancelling all calls"
+            assert "shutting down" in outcome.details(), outcome.details()  # type: ignore[attr-defined]
+        else:
+            hidden = from_tensor(outcome.outputs[0].hidden)  # type: ignore[attr-defined]
+            np.testing.assert_allclose(hidden, reference_model(ids)[0], atol=1e-5, rtol=0)
+    assert seen.get("OK", 0) >= 4 and seen.get("UNAVAILABLE", 0) >= 4, seen  # some finished, some did not
+
+    book = server.exit_ledger()
+    late = book["started"] - 30  # refused calls that still reached a handler (answered UNAVAILABLE)
+    assert 0 <= late <= 2, book
+    assert sum(book["handled"].values()) == book["started"], book
+    assert book["handled"].get("OK", 0) == seen["OK"], book
+    assert book["handled"].get("UNAVAILABLE", 0) == seen["UNAVAILABLE"] + late, book
+    assert book["queue_depth"] == 0, book
+    assert book["batched_sequences"] + sum(book["dropped"].values()) == 30, book  # admitted = batched + dropped
+    assert "Traceback" not in server.output()
+
+
+@MODES
+async def test_a_call_longer_than_grace_is_answered_and_exit_is_still_on_time(fault_bundle: Path, tmp_path: Path,
+                                                                             mode: tuple[str, ...]):
+    """S-02: the model hangs (30 s) past a 1 s grace: the caller gets UNAVAILABLE "shutting down"
+    before the grace ends and the process exits 0 by grace + 1 s anyway."""
+    grace = 1.0
+    server = ServerProcess(fault_bundle, "--drain-grace-s", str(grace), "--health-port", "0", *mode,
+                           directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            hung = stub.Encode(ids_request([faults.HANG, 1]), timeout=60)
+            await wait_for(lambda: server.sample("attention_batch_size_count") == 1, 20, "the hung forward")
+            queued = stub.Encode(ids_request([1, 2]), timeout=60)
+            await wait_for(lambda: server.started() == 2, 20, "the queued call to start")
+            sent = time.monotonic()
+            await not_serving_after_sigterm(server, probe)
+            results = await outcomes_of([hung, queued], grace + 1)
+            answered_in = time.monotonic() - sent
+        code = server.proc.wait(timeout=10)
+        exited_in = time.monotonic() - sent
+    finally:
+        server.kill()
+    assert code == 0, server.output()[-3000:]
+    assert [s for s, _ in results] == [Code.UNAVAILABLE, Code.UNAVAILABLE]
+    assert all("shutting down" in o.details() for _, o in results)  # type: ignore[attr-defined]
+    assert answered_in <= grace + 0.25 and exited_in <= grace + 1.0, (answered_in, exited_in)
+    book = server.exit_ledger()
+    assert book["handled"] == {"UNAVAILABLE": 2} and book["started"] == 2, book
+    assert book["batched_sequences"] + sum(book["dropped"].values()) == 2, book
+
+
+@MODES
+async def test_a_second_signal_stops_at_once(fault_bundle: Path, tmp_path: Path, mode: tuple[str, ...]):
+    """S-03: during a long drain (10 s grace, a hung model) a second SIGTERM exits promptly, cleanly."""
+    server = ServerProcess(fault_bundle, "--drain-grace-s", "10", "--health-port", "0", *mode, directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.ports['health_port']}") as probe:
+            hung = attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([faults.HANG]), timeout=60)
+            await wait_for(lambda: server.started() == 1, 20, "the call to start")
+            await not_serving_after_sigterm(server, probe)
+            sent = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            [(status, _)] = await outcomes_of([hung], 3)
+        code = server.proc.wait(timeout=10)
+        exited_in = time.monotonic() - sent
+    finally:
+        server.kill()
+    assert code == 0 and exited_in < 2.0, (code, exited_in, server.output()[-3000:])
+    assert status == Code.UNAVAILABLE
+    assert "second signal" in server.output() and "Traceback" not in server.output()
