@@ -251,7 +251,7 @@ def one_slice(server: ServerProcess | FloorServer, variant: str, concurrency: in
 PROFILE_BUCKETS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compile(pattern)) for name, pattern in (
     ("metrics", r"prometheus_client/|service/metrics\.py|service/grpc_metrics\.py"),
     ("response building", r"^(fill_tensor|_response|check_representable) |service/output_range\.py"),
-    ("parsing/validation", r"service/validation\.py|^(parse|from_tensor) "),
+    ("parsing/validation", r"service/plan\.py|^(parse|from_tensor|ask_of|_input) "),
     ("batcher handoff", r"service/batching/|^Edge\.compute "),
     ("handler glue", r"service/(edge|servicer|kserve|security)\.py"),
     ("model", r"service/runner\.py|torch/"),
