@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from model.default import ensure_default_bundle
+from model.bundle import MANIFEST_FILE
+from model.default import default_bundle_dir, ensure_default_bundle
 from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
@@ -71,7 +72,7 @@ class Engine:
         """Load and warm the model on the (started) model threads, then start the batcher that runs it."""
         config, metrics, threads = self.config, self.metrics, self.threads
         await self.hooks.pause("before_ready")
-        bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
+        bundle_dir = config.model or await self._default_bundle()
         runner = Runner(config, bundle_dir, metrics, len(threads))
         spec = await threads.call(runner.load)
         limits = batch_limits(config, spec)
@@ -90,6 +91,18 @@ class Engine:
         metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
         self.batcher, self.spec = batcher, spec
         return batcher, spec
+
+    async def _default_bundle(self) -> str:
+        """The built-in default model's bundle, built (seconds, no download) into the cache if absent."""
+        cache = self.config.bundle_cache_dir
+        if (default_bundle_dir(cache) / MANIFEST_FILE).is_file():
+            log.info("no --model given: serving the built-in default model from %s", default_bundle_dir(cache))
+            return str(default_bundle_dir(cache))
+        log.info("no --model given: building the built-in default model (seeded weights, no download) into %s",
+                 default_bundle_dir(cache))
+        built = await asyncio.to_thread(ensure_default_bundle, cache)
+        log.info("built the default model at %s", built)
+        return str(built)
 
     def close(self) -> None:
         """Admit nothing more (a call that still arrives is refused UNAVAILABLE "shutting down")."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 from prometheus_client import CollectorRegistry
 
@@ -134,9 +135,16 @@ async def serve(config: ServiceConfig, registry: CollectorRegistry) -> int:
 
 
 def bind_error(config: ServiceConfig, exc: BaseException) -> str:
-    """grpcio's "Failed to bind to address ...; set GRPC_VERBOSITY=debug" as what it means and what to do."""
+    """grpcio's "Failed to bind to address ...; set GRPC_VERBOSITY=debug" as what it means and what to do
+    (grpcio does not say why: a plain bind of the same address does)."""
     text = str(exc)
     if "Failed to bind" not in text:
         return text
-    return port_error("gRPC", config.host, config.port, "in use, or not an address of this machine",
-                      "ATTN_PORT / --port")
+    reason: str = "grpcio could not bind it"
+    try:
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((config.host, config.port))
+    except OSError as error:
+        reason = error.strerror or str(error)
+    return port_error("gRPC", config.host, config.port, reason, "ATTN_PORT / --port")

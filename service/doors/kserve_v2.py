@@ -315,7 +315,7 @@ IDS_NAMES = Names(
     kinds=(("ids", IDS), ("embeddings", EMBEDDINGS), ("text", TEXT)), request_id="id", output="outputs",
     pooling="parameters.pooling", normalize="parameters.normalize", dtype="parameters.datatype",
     prompt_name="parameters.prompt_name", return_attention=ATTENTION, attention=ATTENTION,
-    attention_layers="parameters.attention_layers", heads="parameters.attention_heads",
+    attention_layers="attention_layers", heads="parameters.attention_heads",
     attention_dtype="parameters.attention_datatype", long_inputs="parameters.long_inputs",
     chunk_stride="parameters.chunk_stride", texts=TEXT)
 TEXT_NAMES = dataclasses.replace(IDS_NAMES, sequences=TEXT)

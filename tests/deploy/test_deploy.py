@@ -46,7 +46,7 @@ COMPOSE_VARIANTS = {
 GRPC_PORT, METRICS_PORT = 50051, 9464
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
-# The metrics contract (service/metrics.py, pinned by tests/test_metrics.py): family -> its labels. Alerts and
+# The metrics contract (service/metrics.py, pinned by tests/service/test_metrics.py): family -> its labels. Alerts and
 # the dashboard may use only these (plus `up`), so a renamed metric or label fails here rather than on an
 # empty panel.
 _FAMILIES = metric_families()

@@ -217,7 +217,7 @@ def streams_open(replica: ServerProcess) -> float:
 
 def test_the_drain_rule_holds_here() -> None:
     """ATTN_DRAIN_DELAY_S exceeds the time Envoy may still route to a replica that turned NOT_SERVING,
-    in this test's fast config as in the shipped one (tests/test_deploy.py checks the shipped side)."""
+    in this test's fast config as in the shipped one (tests/deploy/test_deploy.py checks the shipped side)."""
     fast = loopback_config(load_config(), [1], fast=True)
     assert DRAIN_DELAY_S > drain_floor_s(fast), (DRAIN_DELAY_S, drain_floor_s(fast))
 
