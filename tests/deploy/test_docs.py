@@ -21,7 +21,7 @@ PAGES = sorted([ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "bench"
 PENDING = {"docs/client.md", "docs/http.md", "docs/limits.md"}
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
-FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+FENCE = re.compile(r"^ *```.*?^ *```", re.S | re.M)
 
 
 def prose(page: Path) -> str:
