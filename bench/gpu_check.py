@@ -200,7 +200,7 @@ def summary_table(results: dict[str, Any], args: argparse.Namespace) -> list[str
                      verdict(None if ratio is None else ratio >= SERVICE_TARGET) if last else "-"))
     edge_runs = {(r["edges"], r["concurrency"]): r for r in service.get("runs", [])
                  if "edges" in r and "sequences_per_s" in r}
-    for c in (64, 256):  # README "More cores for the edge": N edge processes against one process
+    for c in (64, 256):  # docs/edge-processes.md: N edge processes against one process
         one, many = edge_runs.get((0, c)), edge_runs.get((args.edge_processes, c))
         if one is not None and many is not None:
             rows.append((f"service T={lengths[0]}, c{c}, {args.edge_processes} edge procs",

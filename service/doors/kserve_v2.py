@@ -4,7 +4,7 @@ The messages are the ones `tritonclient` ships (`tritonclient.grpc.service_pb2`,
 so the wire is upstream's and shares its descriptors with any tritonclient in the process. Calls
 take the same path as attention.v1 (service/doors/calls.py: admission, the batcher, the outcome, the stream
 loop; the same error table and metrics): each row of `input_ids` is one sequence in the same batches
-as Encode's. Choices a Triton user would look for (README "Calling it from tritonclient" has the
+as Encode's. Choices a Triton user would look for (docs/kserve.md has the
 tables):
 
 - unknown model or version: NOT_FOUND "Request for unknown model: ..." (Triton's text); ModelReady

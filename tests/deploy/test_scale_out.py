@@ -1,6 +1,6 @@
 """Scale-out, run for real on loopback: three `python -m service` replicas behind the pinned Envoy
 (deploy/envoy/envoy.yaml with fast health checks, tests/support/envoy_harness.py), under closed-loop load from
-the client library, unary and streaming (issue 19; README "Scaling out").
+the client library, unary and streaming (issue 19; docs/scale-out.md).
 
 - calls spread over the replicas; a replica set NOT_SERVING leaves the rotation and comes back;
 - SIGTERM one replica mid-load: no failed call, and its drain ledger balances;

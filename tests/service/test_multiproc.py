@@ -54,7 +54,7 @@ def edge_ledgers(server: ServerProcess) -> list[dict[str, object]]:
 
 def families(server: ServerProcess) -> dict[str, tuple[str, frozenset[str]]]:
     """The families /metrics exports with samples: name -> (type, label names). Without the `_created`
-    timestamps, which prometheus_client's multiprocess mode does not export (README)."""
+    timestamps, which prometheus_client's multiprocess mode does not export (docs/edge-processes.md)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['metrics_port']}/metrics", timeout=5) as r:
         text = r.read().decode()
     return {f.name: (f.type, frozenset(k for s in f.samples for k in s.labels if k != "le"))
