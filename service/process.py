@@ -10,10 +10,7 @@ UNAVAILABLE just before the grace ends); then the model threads stop and the por
 the drain's order or timing is made in `Lifecycle.drain` and nowhere else; a mode supplies only its
 `Front` (what "refuse" and "stop accepting" mean for it).
 
-Signals: the first SIGTERM/SIGINT drains; a second one stops at once (`stop(0)`). A signal sent to the
-whole process group (a supervisor stopping `make run`, a terminal's Ctrl-C) reaches the service once
-through the group and possibly again through a parent that forwards it: the same signal repeated
-within `SIGNAL_ECHO_S` counts as one.
+Signals: the first SIGTERM/SIGINT drains; a second one stops at once (`stop(0)`).
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import logging
 import os
 import signal
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,8 +39,6 @@ if TYPE_CHECKING:
     from service.engine import Engine
 
 log = logging.getLogger(__name__)
-
-SIGNAL_ECHO_S = 0.5  # the same signal again within this: one signal reaching us twice (group + parent)
 
 
 class Front(Protocol):
@@ -181,20 +175,11 @@ def write_ready_file(path: str, data: dict[str, Any]) -> None:
 
 
 def signal_queue() -> asyncio.Queue[int]:
-    """SIGTERM and SIGINT as they arrive (the first drains, a second stops at once); one signal that
-    reaches the process twice within SIGNAL_ECHO_S (its group's and a forwarding parent's) is queued once."""
+    """SIGTERM and SIGINT as they arrive (the first drains, a second stops at once)."""
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[int] = asyncio.Queue()
-    last: dict[int, float] = {}
-
-    def arrived(sig: int) -> None:
-        now = time.monotonic()
-        if now - last.get(sig, -SIGNAL_ECHO_S - 1) >= SIGNAL_ECHO_S:
-            signals.put_nowait(sig)
-        last[sig] = now
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, arrived, sig)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     return signals
 
 
