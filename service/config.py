@@ -80,7 +80,8 @@ class ServiceConfig:
                                         "checked before tokenizing")
     max_attention_bytes: int = _opt(16 << 20, "attention weights budget per call, bytes (as returned)")
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
-    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
+    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept); "
+                                          "also bounds the wait for a unary call's request message")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
     # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/doors/front.py)
     max_concurrent_streams: int = _opt(

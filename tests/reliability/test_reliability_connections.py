@@ -211,6 +211,33 @@ async def test_a_message_that_never_completes_without_a_deadline_is_ended_by_the
         assert len(response.outputs) == 1
 
 
+@pytest.fixture(scope="module")
+def ageless(tiny_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """No connection age or idle limit, and a default deadline of 2 s: only the wait for the message
+    can end an incomplete call."""
+    yield from _serve(ServerProcess(tiny_bundle, "--max-connection-age-s", "0", "--max-connection-idle-s", "0",
+                                    "--default-timeout-s", "2", directory=tmp_path_factory.mktemp("ageless")))
+
+
+@pytest.mark.parametrize("method", ["Encode", "Tokenize"])
+@pytest.mark.parametrize("end_stream, code", [(True, grpc.StatusCode.INVALID_ARGUMENT),
+                                              (False, grpc.StatusCode.DEADLINE_EXCEEDED)],
+                         ids=["END_STREAM", "left-open"])
+async def test_a_message_that_never_completes_without_a_deadline_ends_at_the_default_timeout(
+        ageless: ServerProcess, end_stream: bool, code: grpc.StatusCode, method: str):
+    # Issue 27, item 11: before, only the connection's age (31 min at the defaults) ended such a call,
+    # even one whose caller had closed its side (a message that can no longer complete). Waited for
+    # 60 s at most (2 s expected when left open); nothing else on this server can end the call.
+    with RawH2(ageless.ports["port"]) as client:
+        ended = await asyncio.to_thread(client.call_incomplete, declared=1000, sent=10, end_stream=end_stream,
+                                        method=method, timeout=60.0)
+    assert (ended.how, ended.grpc_status) == ("trailers", str(code.value[0])), ended
+    assert ageless.sample("grpc_server_handled_total", {"grpc_method": method, "grpc_code": code.name}) >= 1
+    async with grpc.aio.insecure_channel(ageless.target) as channel:  # a complete call is served as before
+        response = await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]))
+        assert len(response.outputs) == 1
+
+
 async def test_a_connection_without_calls_is_closed_after_the_idle_limit(limited: ServerProcess):
     with RawH2(limited.ports["port"]) as client:
         ended = await asyncio.to_thread(client.wait_goaway, 30.0)
