@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -267,20 +268,35 @@ def signal_queue() -> asyncio.Queue[int]:
     return signals
 
 
+# A SIGTERM this soon after the first is the same request delivered twice, not a second one: a
+# supervisor signals a process group, and GNU make (`make run`) also forwards SIGTERM to its child.
+# A person's second Ctrl-C (SIGINT) or a later SIGTERM still stops at once.
+REPEATED_SIGTERM_S = 0.5
+
+
 async def drain_on_signal(waiter: asyncio.Task[int], signals: asyncio.Queue[int], config: ServiceConfig,
                           stop: Callable[[float | None], Coroutine[Any, Any, None]]) -> None:
-    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`."""
+    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`
+    (a SIGTERM within REPEATED_SIGTERM_S of a first SIGTERM is not a second signal)."""
     signum = await waiter
+    first_at = time.monotonic()
     log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
     stopping = asyncio.create_task(stop(None))
-    second = asyncio.create_task(signals.get())
-    await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
-    if not stopping.done():
+    while True:
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+        if stopping.done() or not second.done():
+            break
+        if (signum == second.result() == signal.SIGTERM and time.monotonic() - first_at < REPEATED_SIGTERM_S):
+            log.info("SIGTERM again within %.1f s: the same request (a process group's and its parent's); "
+                     "still draining", REPEATED_SIGTERM_S)
+            continue
         log.info("second signal: stopping now")
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
         await stop(0)
+        break
     second.cancel()
 
 
