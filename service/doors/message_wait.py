@@ -54,19 +54,30 @@ class MessageWaitInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc] 
     def _wrap(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         behavior = handler.unary_unary
         seconds, late = self._seconds, self._late
+        # Decoded here, not by grpcio, so that a message that does not parse is INVALID_ARGUMENT
+        # (grpcio answers UNKNOWN; the front doors take bytes and decode them themselves).
+        decode = handler.request_deserializer
 
         async def read_then_answer(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
             try:
-                # No deadline: ours. With one, grpc core ends the call at it, message or not.
-                async with asyncio.timeout(seconds if context.time_remaining() is None else None):
+                if context.time_remaining() is not None:  # grpc core ends the call at it, message or not
                     request = await anext(requests)
+                else:  # no deadline: ours
+                    async with asyncio.timeout(seconds):
+                        request = await anext(requests)
             except TimeoutError:
                 await context.abort(grpc.StatusCode[status_of(late)], late.message)
             except StopAsyncIteration:  # half-closed without a (complete) message: none can come now
                 missing = InvalidInput("request", "the call ended without a complete request message")
                 await context.abort(grpc.StatusCode[status_of(missing)], missing.message)
+            if decode is not None:
+                try:
+                    request = decode(request)
+                except Exception:  # noqa: BLE001  (any parse failure of the caller's bytes)
+                    bad = InvalidInput("request", "not a valid message of this method")
+                    await context.abort(grpc.StatusCode[status_of(bad)], bad.message)
             return await behavior(request, context)
 
         setattr(read_then_answer, _READS_ONE, True)
-        return grpc.stream_unary_rpc_method_handler(read_then_answer, request_deserializer=handler.request_deserializer,
+        return grpc.stream_unary_rpc_method_handler(read_then_answer,
                                                     response_serializer=handler.response_serializer)
