@@ -268,18 +268,33 @@ def signal_queue() -> asyncio.Queue[int]:
     return signals
 
 
-# A SIGTERM this soon after the first is the same request delivered twice, not a second one: a
-# supervisor signals a process group, and GNU make (`make run`) also forwards SIGTERM to its child.
-# A person's second Ctrl-C (SIGINT) or a later SIGTERM still stops at once.
+# GNU make forwards a SIGTERM it receives to its children (commands.c, fatal_error_signal), so a
+# supervisor that signals the process group of `make run` reaches the service twice: directly and
+# through make. Under such a parent, a SIGTERM this soon after the first is that echo, not a second
+# signal. Under any other parent a second SIGTERM stops at once, as does a second Ctrl-C (SIGINT).
 REPEATED_SIGTERM_S = 0.5
+FORWARDING_PARENTS = frozenset({"make", "gmake"})
+
+
+def parent_forwards_sigterm() -> bool:
+    """Whether this process's parent is one that forwards SIGTERM to its children (Linux /proc)."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm", encoding="utf-8") as f:
+            return f.read().strip() in FORWARDING_PARENTS
+    except OSError:
+        return False
 
 
 async def drain_on_signal(waiter: asyncio.Task[int], signals: asyncio.Queue[int], config: ServiceConfig,
-                          stop: Callable[[float | None], Coroutine[Any, Any, None]]) -> None:
-    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`
-    (a SIGTERM within REPEATED_SIGTERM_S of a first SIGTERM is not a second signal)."""
+                          stop: Callable[[float | None], Coroutine[Any, Any, None]],
+                          echoes: bool | None = None) -> None:
+    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`.
+    With `echoes` (default: the parent forwards SIGTERM), a SIGTERM within REPEATED_SIGTERM_S of a
+    first SIGTERM is not a second signal."""
     signum = await waiter
     first_at = time.monotonic()
+    if echoes is None:
+        echoes = parent_forwards_sigterm()
     log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
     stopping = asyncio.create_task(stop(None))
     while True:
@@ -287,9 +302,9 @@ async def drain_on_signal(waiter: asyncio.Task[int], signals: asyncio.Queue[int]
         await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
         if stopping.done() or not second.done():
             break
-        if (signum == second.result() == signal.SIGTERM and time.monotonic() - first_at < REPEATED_SIGTERM_S):
-            log.info("SIGTERM again within %.1f s: the same request (a process group's and its parent's); "
-                     "still draining", REPEATED_SIGTERM_S)
+        if echoes and signum == second.result() == signal.SIGTERM and time.monotonic() - first_at < REPEATED_SIGTERM_S:
+            log.info("SIGTERM again within %.1f s: the process group's, forwarded by the parent; still draining",
+                     REPEATED_SIGTERM_S)
             continue
         log.info("second signal: stopping now")
         stopping.cancel()

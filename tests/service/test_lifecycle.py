@@ -85,12 +85,15 @@ def test_readme_documents_every_setting():
         assert f"`ATTN_{f.name.upper()}`" in readme, f"README's configuration table lacks ATTN_{f.name.upper()}"
 
 
-@pytest.mark.parametrize("second, stops", [(signal.SIGTERM, [None]), (signal.SIGINT, [None, 0])],
-                         ids=["SIGTERM-again-is-the-same-request", "SIGINT-stops-at-once"])
-async def test_a_sigterm_delivered_twice_at_once_is_one_request(tiny_bundle: Path, second: int,
+@pytest.mark.parametrize("second, echoes, stops", [(signal.SIGTERM, True, [None]), (signal.SIGINT, True, [None, 0]),
+                                                   (signal.SIGTERM, False, [None, 0])],
+                         ids=["under-make-SIGTERM-again-is-the-echo", "SIGINT-stops-at-once",
+                              "elsewhere-SIGTERM-again-stops-at-once"])
+async def test_a_sigterm_delivered_twice_at_once_is_one_request(tiny_bundle: Path, second: int, echoes: bool,
                                                                 stops: list[float | None]):
     """Issue 27: a supervisor's SIGTERM to `make run`'s process group reaches the service twice (the
-    group's, and make's forward). The drain goes on; a second, different signal still stops at once."""
+    group's, and make's forward). The drain goes on; a second, different signal still stops at once,
+    and so does a second SIGTERM under a parent that forwards nothing."""
     from service.server import drain_on_signal
 
     asked: list[float | None] = []
@@ -105,7 +108,7 @@ async def test_a_sigterm_delivered_twice_at_once_is_one_request(tiny_bundle: Pat
     signals.put_nowait(signal.SIGTERM)
     signals.put_nowait(second)  # both already delivered when the drain starts
     draining = asyncio.create_task(drain_on_signal(asyncio.create_task(signals.get()), signals,
-                                                   test_config(tiny_bundle), stop))
+                                                   test_config(tiny_bundle), stop, echoes))
     await wait_for(lambda: signals.empty() and len(asked) >= len(stops), 10, "both signals read")
     for _ in range(3):
         await asyncio.sleep(0)  # a second stop, if one were coming, is asked now
