@@ -10,7 +10,8 @@ UNAVAILABLE just before the grace ends); then the model threads stop and the por
 the drain's order or timing is made in `Lifecycle.drain` and nowhere else; a mode supplies only its
 `Front` (what "refuse" and "stop accepting" mean for it).
 
-Signals: the first SIGTERM/SIGINT drains; a second one stops at once (`stop(0)`).
+Signals: the first SIGTERM/SIGINT drains; a second one stops at once (`stop(0)`), except a SIGTERM
+that `make` (the parent of `make run`) forwards within REPEATED_SIGTERM_S of the group's own.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -183,20 +185,50 @@ def signal_queue() -> asyncio.Queue[int]:
     return signals
 
 
+# GNU make forwards a SIGTERM it receives to its children (commands.c, fatal_error_signal), so a
+# supervisor that signals the process group of `make run` reaches the service twice: directly and
+# through make. Under such a parent, a SIGTERM this soon after the first is that echo, not a second
+# signal. Under any other parent a second SIGTERM stops at once, as does a second Ctrl-C (SIGINT).
+REPEATED_SIGTERM_S = 0.5
+FORWARDING_PARENTS = frozenset({"make", "gmake"})
+
+
+def parent_forwards_sigterm() -> bool:
+    """Whether this process's parent is one that forwards SIGTERM to its children (Linux /proc)."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm", encoding="utf-8") as f:
+            return f.read().strip() in FORWARDING_PARENTS
+    except OSError:
+        return False
+
+
 async def drain_on_signal(waiter: asyncio.Task[int], signals: asyncio.Queue[int], config: ServiceConfig,
-                          stop: Callable[[float | None], Coroutine[Any, Any, None]]) -> None:
-    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`."""
+                          stop: Callable[[float | None], Coroutine[Any, Any, None]],
+                          echoes: bool | None = None) -> None:
+    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`.
+    With `echoes` (default: the parent forwards SIGTERM), a SIGTERM within REPEATED_SIGTERM_S of a
+    first SIGTERM is not a second signal."""
     signum = await waiter
+    first_at = time.monotonic()
+    if echoes is None:
+        echoes = parent_forwards_sigterm()
     log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
     stopping = asyncio.create_task(stop(None))
-    second = asyncio.create_task(signals.get())
-    await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
-    if not stopping.done():
+    while True:
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+        if stopping.done() or not second.done():
+            break
+        if echoes and signum == second.result() == signal.SIGTERM and time.monotonic() - first_at < REPEATED_SIGTERM_S:
+            log.info("SIGTERM again within %.1f s: the process group's, forwarded by the parent; still draining",
+                     REPEATED_SIGTERM_S)
+            continue
         log.info("second signal: stopping now")
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
         await stop(0)
+        break
     second.cancel()
 
 
