@@ -222,6 +222,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     sequences = read_sequences(args)
     out = Path(args.out)
     check_out(out, (".png",))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("plot draws with matplotlib, which is not installed: pip install \"./client[plot]\" "
+                         "(or pip install matplotlib)") from None
     ids = sequences[0]
     text = isinstance(ids, str)
     head_mean = args.head == "mean"
