@@ -367,7 +367,9 @@ def _input_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description="Command-line client of the attention "
+    invoked = Path(sys.argv[0]).name
+    prog = "python -m client" if invoked in ("__main__.py", "-c", "") else invoked  # attention-client, as installed
+    parser = argparse.ArgumentParser(prog=prog, description="Command-line client of the attention "
                                      "encoder service: encode, tokenize, info, health, plot, bench.")
     add_connection_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
