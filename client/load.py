@@ -240,7 +240,10 @@ async def run_load(
             raise from_rpc_error(exc) from exc
         info = ModelInfo.from_proto(pb.ModelInfo.FromString(raw_info))
         if text_source is not None:
-            texts = await _token_counts(channels[0], metadata, timeout, info, list(text_source)[:pool_size])
+            source = list(text_source)
+            if len(source) > pool_size:  # a random pool_size of them, as with ids
+                source = [source[int(i)] for i in np.random.default_rng(seed).choice(len(source), pool_size, False)]
+            texts = await _token_counts(channels[0], metadata, timeout, info, source)
         encode_options = EncodeOptions(pooling=pooling, return_hidden=return_hidden, output_dtype=dtype,
                                        attention=attention, attention_dtype=dtype,
                                        truncate=texts is not None)  # text: cut at the model's limit
