@@ -401,8 +401,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BundleError(f"{path} not found: not a model bundle directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # UnicodeDecodeError, JSONDecodeError, an int of over 4300 digits
         raise BundleError(f"{path} is not readable JSON: {e}") from e
+    except RecursionError:
+        raise BundleError(f"{path} is not readable JSON: nested too deeply") from None
     try:
         return Manifest.from_dict(data)
     except (ValueError, TypeError) as e:
