@@ -20,7 +20,7 @@ from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, 
 from model.config import EncoderConfig
 from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
-from model.hf import convert_hf
+from model.hf_folder import convert_hf_folder
 
 
 def _check_out(directory: Path) -> None:
@@ -80,11 +80,7 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _convert_hf(args: argparse.Namespace) -> dict[str, object]:
-    encoder, tokenizer, settings, source = convert_hf(args.model_dir)
-    name = args.name or Path(args.model_dir).resolve().name
-    manifest = save_bundle(encoder, args.out, name=name, version=args.version, source=source,
-                           text=(tokenizer, settings))
-    return manifest.to_dict()
+    return convert_hf_folder(args.model_dir, args.out, name=args.name, version=args.version).to_dict()
 
 
 def _remove_bundle(directory: Path) -> None:

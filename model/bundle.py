@@ -21,9 +21,11 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -392,6 +394,24 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
         _write_atomic(directory / TOKENIZER_FILE, text[0])
     _write_atomic(directory / MANIFEST_FILE, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
     return manifest
+
+
+def build_atomically(final: Path, build: Callable[[Path], object]) -> bool:
+    """`build(tmp)` a bundle in a temporary sibling of `final`, then rename it into place: a reader never sees
+    half a bundle, and of two processes racing, one bundle stays (the other's is as good). True if ours did."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)  # atomic; replaces an empty directory, fails on a non-empty one
+        except OSError:
+            if not (final / MANIFEST_FILE).is_file():
+                raise BundleError(f"{final} exists but holds no bundle; remove it and retry") from None
+            return False  # another process finished first
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:

@@ -32,7 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
-from model.default import ensure_default_bundle
+from model.hf_folder import prepare_model
 from proto.attention.v1.wire import SERVICE_NAME
 from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
@@ -185,8 +185,10 @@ async def start_model(config: ServiceConfig, metrics: Metrics, threads: ModelThr
                       hooks: FaultHooks) -> tuple[Batcher[Job], ModelSpec]:
     """Load and warm the model on the (started) model threads, then start the batcher that runs it."""
     await hooks.pause("before_ready")
-    bundle_dir = config.model or str(await asyncio.to_thread(ensure_default_bundle, config.bundle_cache_dir))
-    runner = Runner(config, bundle_dir, metrics, len(threads))
+    prepared = await asyncio.to_thread(prepare_model, config.model, config.bundle_cache_dir)  # HF folder: converted
+    if note := prepared.note():
+        log.info("%s", note)
+    runner = Runner(config, str(prepared.bundle_dir), metrics, len(threads))
     spec = await threads.call(runner.load)
     limits = batch_limits(config, spec)
     if config.warmup:
