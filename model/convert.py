@@ -36,9 +36,10 @@ final_norm, say) are skipped. "requires" values are a value, a list of allowed v
 attention_scale "1/sqrt(d_head)" or "1/sqrt(d_model)".
 
 Public API: ConversionError; KeyMap (.load(path), .builtin(name), .from_dict(data), .with_vars(**v));
-builtin_names(); OPS; convert(state_dict, config, keymap, strict=False) -> Encoder; resolve(keymap,
-config) -> {ours: spec}; load_state_dict_file(path); and, for the stock map, convert_state_dict and
-key_mapping. Another converter (Hugging Face BERT, say) ships its map in model/keymaps/ and calls convert.
+builtin_names(); OPS; convert(state_dict, config, keymap, strict=False) -> Encoder; check_sizes(state_dict,
+config, keymap) (what convert checks first); resolve(keymap, config) -> {ours: spec};
+load_state_dict_file(path); and, for the stock map, convert_state_dict and key_mapping. Another converter
+(Hugging Face BERT, say) ships its map in model/keymaps/ and calls convert.
 Every problem (missing, unexpected, mis-shaped or mis-typed key, an op that does not apply, a config value
 the source cannot express, a parameter the map does not cover) is named in one ConversionError.
 
@@ -471,14 +472,19 @@ def _source_layers(keymap: KeyMap, state_dict: Mapping[str, object]) -> tuple[in
     spec = keymap.params.get("blocks.{i}.ff.fc2.weight")
     if spec is None:
         return None
-    for i in range(len(state_dict) + 1):
-        try:
-            keys = _sources(_expand_spec(spec, keymap.vars, i, "blocks.{i}.ff.fc2.weight"))
-        except ConversionError:
-            return None  # an unset var: resolve names it
-        absent = [k for k in keys if k not in state_dict]
-        if absent or not keys:
-            return i, absent[0] if absent else ""
+
+    def keys(i: int) -> list[str]:
+        return _sources(_expand_spec(spec, keymap.vars, i, "blocks.{i}.ff.fc2.weight"))
+
+    try:
+        if not keys(0) or keys(0) == keys(1):
+            return None  # no source, or one shared by every layer: the keys cannot count the layers
+        for i in range(len(state_dict) + 1):  # each layer has keys of its own: the loop ends at a missing one
+            absent = [k for k in keys(i) if k not in state_dict]
+            if absent:
+                return i, absent[0]
+    except ConversionError:
+        return None  # an unset var: resolve names it
     raise AssertionError("more layers than keys. This is a bug.")
 
 
