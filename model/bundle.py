@@ -195,6 +195,7 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "relative_bias": "per_layer" if getattr(first.attn, "has_rel_bias", False)
             else "shared" if getattr(enc, "has_rel_bias", False) else "none",
             "attention_scale": float(first.attn.scale),
+            "position_offset": int(getattr(enc, "position_offset", 0)),  # bundles from before it: 0
         }
         tables = ([b.attn.rel_bias for b in blocks] if facts["relative_bias"] == "per_layer"
                   else [enc.rel_bias] if facts["relative_bias"] == "shared" else [])
@@ -211,9 +212,10 @@ def module_config_facts(module: Any) -> dict[str, Any]:
         if int(first.attn.n_heads) * int(first.attn.d_head) != d_model:
             raise BundleError(f"the module's attention has {int(first.attn.n_heads)} heads of "
                               f"{int(first.attn.d_head)} for d_model {int(d_model)}")
-        if facts["positional"] != "none" and tuple(enc.pos_emb.shape) != (facts["max_length"], d_model):
-            raise BundleError(f"the module's position table is {tuple(enc.pos_emb.shape)}, "
-                              f"not (max_length, d_model) = ({facts['max_length']}, {int(d_model)})")
+        rows = facts["max_length"] + facts["position_offset"]
+        if facts["positional"] != "none" and tuple(enc.pos_emb.shape) != (rows, d_model):
+            raise BundleError(f"the module's position table is {tuple(enc.pos_emb.shape)}, not (max_length + "
+                              f"position_offset, d_model) = ({rows}, {int(d_model)})")
     except (AttributeError, KeyError, IndexError) as e:
         raise BundleError(f"the module is not shaped like our Encoder (under {prefix!r}): {e}") from e
     return facts
@@ -231,7 +233,8 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
     if facts["positional"] == "sinusoidal":
         # Not a parameter (it is derived from the config), so outside weights_sha256: compare exactly.
         table = _encoder_of(module)[1].pos_emb
-        if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"], facts["d_model"])):
+        if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"] + facts["position_offset"],
+                                                            facts["d_model"])):
             raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
     actual = weights_sha256(module)
     if actual != manifest.weights_sha256:

@@ -45,6 +45,10 @@ class EncoderConfig:
     # The multiplier of q.k. None: 1/sqrt(d_head), the correct one. Set it only to serve a model trained
     # with another (the sqrt(embed_size) of one tutorial); the manifest then states it.
     attention_scale: float | None = None
+    # The row of the position table that position 0 reads (RoBERTa, XLM-R, MPNet: padding_idx + 1, as Hugging
+    # Face numbers the positions of a sequence without padding ids inside); the table has max_length + offset
+    # rows, so the checkpoint's table is kept whole (and max_length stays the longest sequence).
+    position_offset: int = 0
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "max_length"):
@@ -72,6 +76,11 @@ class EncoderConfig:
             raise ValueError(
                 f"EncoderConfig.relative_bias must be one of {RELATIVE_BIASES}, got {self.relative_bias!r}"
             )
+        offset = self.position_offset
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"EncoderConfig.position_offset must be an int >= 0, got {offset!r}")
+        if offset and self.positional == "none":
+            raise ValueError(f"EncoderConfig.position_offset={offset} needs a position table (positional='none')")
         scale = self.attention_scale
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale)
@@ -87,6 +96,11 @@ class EncoderConfig:
     def scale(self) -> float:
         """The attention scale the model uses: attention_scale, or 1/sqrt(d_head) when that is None."""
         return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.d_head)
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the position table: max_length + position_offset."""
+        return self.max_length + self.position_offset
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -268,10 +268,12 @@ class Encoder(nn.Module):
     has_positions: Final[bool]
     pack_min_padding: Final[float]
     has_rel_bias: Final[bool]
+    position_offset: Final[int]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config
+        self.position_offset = config.position_offset
         self.d_model = config.d_model
         self.n_layers = config.n_layers
         self.max_length = config.max_length
@@ -279,11 +281,11 @@ class Encoder(nn.Module):
         self.pack_min_padding = PACK_MIN_PADDING
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         if config.positional == "learned":
-            self.pos_emb = nn.Parameter(torch.zeros(config.max_length, config.d_model))
+            self.pos_emb = nn.Parameter(torch.zeros(config.position_rows, config.d_model))
         else:
             # Derived from the config, so not in the state_dict (nor in the weights checksum);
             # TorchScript still saves it with the module. "none" keeps an empty table for the type.
-            table = sinusoidal_table(config.max_length, config.d_model)
+            table = sinusoidal_table(config.position_rows, config.d_model)
             self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
         # BERT's LayerNorm over word + position (+ token type) embeddings; also over given embeddings.
         self.ln_emb = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else nn.Identity()
@@ -382,7 +384,8 @@ class Encoder(nn.Module):
                 )
             previous = layer
         if self.has_positions:
-            x = x + self.pos_emb[:T]  # (B, T, C) + (T, C)
+            # Position t reads row position_offset + t (a constant: the same one slice when it is 0).
+            x = x + self.pos_emb[self.position_offset:self.position_offset + T]  # (B, T, C) + (T, C)
         x = self.ln_emb(x)
         # Host lengths only: a device tensor would be read by waiting for the device (no pipelining).
         # -1 for device lengths: neither unpadded nor packed.

@@ -1,0 +1,136 @@
+"""Model families beyond BERT, each against the Hugging Face implementation itself (transformers, pinned in
+requirements-dev.txt; tiny random-init models, saved with save_pretrained, converted with `convert-hf`, loaded
+as TorchScript bundles): hidden states within 1e-5 and attention weights within 1e-6 of the HF model's
+(eager attention, output_attentions=True) on mixed lengths in one batch, both our attention paths."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from model.__main__ import main
+from model.bundle import load_bundle, read_manifest
+from model.hf import HFConversionError, convert_hf
+from tests.family_helpers import (
+    UNIGRAM_VOCAB,
+    assert_matches_hf,
+    mixed_batch,
+    randomize_,
+    save_hf,
+    unigram_tokenizer_json,
+)
+
+LENGTHS = [9, 3, 17, 1, 12]  # mixed, one batch: packed, padded keys masked
+SAME = [11, 11, 11]  # no padding: the SDPA path passes no mask
+
+
+def _roberta_like(kind: str, seed: int, **overrides: Any) -> Any:
+    import transformers
+
+    config_cls, model_cls = {"roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+                             "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel)}[kind]
+    config = config_cls(**{
+        "vocab_size": len(UNIGRAM_VOCAB), "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "intermediate_size": 64, "max_position_embeddings": 22, "pad_token_id": 1, "bos_token_id": 0,
+        "eos_token_id": 2, "type_vocab_size": 1, "layer_norm_eps": 1e-5, "hidden_act": "gelu", **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    randomize_(model, seed)
+    return model
+
+
+def _convert(src: Path, out: Path) -> Path:
+    assert main(["convert-hf", "--model-dir", str(src), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", ["roberta", "xlm-roberta"])
+def test_roberta_families_match_hf(tmp_path: Path, kind: str) -> None:
+    model = _roberta_like(kind, seed=1)
+    src = save_hf(model, tmp_path / kind, unigram_tokenizer_json())
+    bundle = _convert(src, tmp_path / "bundle")
+    manifest = read_manifest(bundle)
+    assert manifest.config.position_offset == 2 and manifest.config.max_length == 20  # 22 rows - (pad 1 + 1)
+    module = load_bundle(bundle).module
+    for lengths, seed in ((LENGTHS, 0), (SAME, 1), ([20, 4], 2)):  # [20, ...]: the last position row
+        ids, n = mixed_batch(lengths, len(UNIGRAM_VOCAB), pad=1, bos=0, eos=2, seed=seed)
+        assert_matches_hf(module, model, ids, n)
+
+
+TEXTS = ["hello world", "the cats", "", "über 東京, a b c.", "Hello   World the", "the cat is a cat " * 6]
+
+
+def _xlmr_folder(tmp_path: Path) -> tuple[Any, Path]:
+    model = _roberta_like("xlm-roberta", seed=4)
+    src = save_hf(model, tmp_path / "tiny-xlmr", unigram_tokenizer_json(), {"model_max_length": 16})
+    return model, src
+
+
+def _hf_tokenizer(src: Path) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(src / "tokenizer.json"), bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>", mask_token="<mask>")
+
+
+def test_unigram_text_path_matches_hf_tokenizer(tmp_path: Path) -> None:
+    """XLM-R's SentencePiece/Unigram tokenizer.json through the same `tokenizers` path as BERT's WordPiece."""
+    model, src = _xlmr_folder(tmp_path)
+    loaded = load_bundle(_convert(src, tmp_path / "bundle"))
+    assert loaded.tokenizer is not None and loaded.manifest.text is not None
+    assert loaded.manifest.text.max_tokens == 16 and loaded.manifest.text.special_ids["<pad>"] == 1
+    hf_tok = _hf_tokenizer(src)
+    encoded = loaded.tokenizer.encode(TEXTS, truncate=True)
+    want = hf_tok(TEXTS, truncation=True, max_length=16)["input_ids"]
+    assert [e.ids.tolist() for e in encoded] == want
+    assert encoded[5].truncated and encoded[5].ids[-1] == 2 and len(encoded[5].ids) == 16  # </s> kept
+    assert encoded[3].tokens[1:4] == ["▁über", "▁東", "京"] and encoded[2].ids.tolist() == [0, 2]
+    # And the model on those ids, one padded batch, against the HF model.
+    ids = torch.full((len(want), max(map(len, want))), 1, dtype=torch.int64)
+    for b, row in enumerate(want):
+        ids[b, :len(row)] = torch.tensor(row)
+    assert_matches_hf(loaded.module, model, ids, torch.tensor([len(r) for r in want]))
+
+
+async def test_xlmr_served_over_grpc_matches_hf(start_server: Any, tmp_path: Path) -> None:
+    from proto.attention.v1 import attention_pb2 as pb
+    from proto.attention.v1.wire import from_tensor
+    from tests.family_helpers import hf_forward
+
+    model, src = _xlmr_folder(tmp_path)
+    served = await start_server(bundle=_convert(src, tmp_path / "bundle"))
+    request = pb.EncodeRequest(sequences=[pb.Sequence(text=t) for t in TEXTS], truncate=True,
+                               output=pb.OutputOptions(pooling=pb.POOLING_MODEL, return_tokens=True),
+                               attention=pb.AttentionOptions(return_attention=True))
+    response = await served.stub.Encode(request, timeout=60)
+    want_ids = _hf_tokenizer(src)(TEXTS, truncation=True, max_length=16)["input_ids"]
+    assert len(response.outputs) == len(TEXTS)
+    for out, row in zip(response.outputs, want_ids, strict=True):
+        assert from_tensor(out.token_ids).tolist() == row
+        hidden, attention = hf_forward(model, torch.tensor([row]), torch.tensor([len(row)]))
+        torch.testing.assert_close(torch.tensor(np.array(from_tensor(out.hidden))), hidden[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(np.array(from_tensor(out.attention))), attention[0], rtol=0, atol=1e-6)
+        pooled = torch.tensor(np.array(from_tensor(out.pooled)))
+        torch.testing.assert_close(pooled, hidden[0, 0], rtol=0, atol=1e-5)  # pooling cls: no ST files
+
+
+def test_roberta_refusals_name_the_field(tmp_path: Path) -> None:
+    model = _roberta_like("roberta", seed=2)
+    src = save_hf(model, tmp_path / "r", unigram_tokenizer_json())
+    config = json.loads((src / "config.json").read_text())
+    for change, named in (({"pad_token_id": None}, "pad_token_id=None: must be an int >= 0"),
+                          ({"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
+                          ({"max_position_embeddings": 2}, "max_position_embeddings=2: leaves no position"),
+                          ({"model_type": "camembert"}, "model_type='camembert'")):
+        (src / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(HFConversionError, match=re.escape(named)):
+            convert_hf(src)
+    (src / "config.json").write_text(json.dumps(config))
+    convert_hf(src)  # the unedited folder converts
