@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
-from model.encoder import sinusoidal_table
+from model.encoder import rotary_tables, sinusoidal_table
 from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
@@ -167,6 +167,11 @@ def _encoder_of(module: Any) -> tuple[str, Any]:
     return prefix, _submodule(module, prefix.rstrip("."))
 
 
+def _class_name(module: Any) -> str:
+    """The Python class a module was built from (TorchScript keeps it as original_name)."""
+    return str(getattr(module, "original_name", type(module).__name__))
+
+
 def module_config_facts(module: Any) -> dict[str, Any]:
     """The EncoderConfig fields the module itself states, read from its parameters and TorchScript constants.
 
@@ -183,11 +188,13 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "d_model": int(d_model),
             "n_layers": len(blocks),
             "n_heads": int(first.attn.n_heads),
-            "d_ff": int(params["blocks.0.ff.fc1.weight"].shape[0]),
+            "d_ff": int(params["blocks.0.ff.fc1.weight"].shape[0]) // (2 if getattr(first.ff, "gated", False) else 1),
             "max_length": int(enc.max_length),
-            "positional": "none" if not enc.has_positions else "learned" if "pos_emb" in params else "sinusoidal",
+            "positional": "rotary" if getattr(first.attn, "rotary", False) else "none" if not enc.has_positions
+            else "learned" if "pos_emb" in params else "sinusoidal",
             "norm_first": bool(first.norm_first),
-            "activation": "gelu" if first.ff.use_gelu else "relu",
+            "activation": "gelu" if first.ff.use_gelu else "gelu_tanh" if getattr(first.ff, "use_gelu_tanh", False)
+            else "silu" if getattr(first.ff, "use_silu", False) else "relu",
             "layer_norm_eps": float(first.ln1.eps),
             "final_norm": "ln_f.weight" in params,
             "embedding_norm": "ln_emb.weight" in params,
@@ -196,7 +203,15 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             else "shared" if getattr(enc, "has_rel_bias", False) else "none",
             "attention_scale": float(first.attn.scale),
             "position_offset": int(getattr(enc, "position_offset", 0)),  # bundles from before it: 0
+            "norm": "rms" if _class_name(first.ln1) == "RMSNorm" else "layer",
+            "ffn_gated": bool(getattr(first.ff, "gated", False)),
+            "linear_bias": "blocks.0.attn.qkv.bias" in params,
         }
+        if facts["norm"] == "layer":  # RMSNorm has no bias whatever norm_bias says
+            facts["norm_bias"] = "blocks.0.ln1.bias" in params
+        if facts["positional"] == "rotary":
+            facts["rotary_base"] = float(first.attn.rotary_base)
+            facts["rotary_dims"] = int(first.attn.rotary_dims)  # what rotary_fraction of d_head comes to
         tables = ([b.attn.rel_bias for b in blocks] if facts["relative_bias"] == "per_layer"
                   else [enc.rel_bias] if facts["relative_bias"] == "shared" else [])
         want_table = (facts["n_heads"], facts["max_length"], facts["max_length"])
@@ -213,7 +228,7 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             raise BundleError(f"the module's attention has {int(first.attn.n_heads)} heads of "
                               f"{int(first.attn.d_head)} for d_model {int(d_model)}")
         rows = facts["max_length"] + facts["position_offset"]
-        if facts["positional"] != "none" and tuple(enc.pos_emb.shape) != (rows, d_model):
+        if facts["positional"] in ("learned", "sinusoidal") and tuple(enc.pos_emb.shape) != (rows, d_model):
             raise BundleError(f"the module's position table is {tuple(enc.pos_emb.shape)}, not (max_length + "
                               f"position_offset, d_model) = ({rows}, {int(d_model)})")
     except (AttributeError, KeyError, IndexError) as e:
@@ -225,7 +240,8 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
     """Refuse a module that contradicts its manifest: config fields by name, weights by digest."""
     facts = module_config_facts(module)
     # The scale the manifest's config means (null: 1/sqrt(d_head)) against the one the module multiplies by.
-    config = {**manifest.config.to_dict(), "attention_scale": manifest.config.scale}
+    config = {**manifest.config.to_dict(), "attention_scale": manifest.config.scale,
+              "rotary_dims": manifest.config.rotary_dims}
     wrong = [f"config.{k} is {config[k]!r} in the manifest, {v!r} in the module" for k, v in facts.items()
              if config[k] != v]
     if wrong:
@@ -236,6 +252,12 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
         if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"] + facts["position_offset"],
                                                             facts["d_model"])):
             raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
+    if facts["positional"] == "rotary":  # derived tables as well: each layer's against its config
+        c = manifest.config
+        cos, sin = rotary_tables(c.max_length, c.rotary_dims, c.rotary_base)
+        for block in _encoder_of(module)[1].blocks.children():
+            if not (torch.equal(block.attn.rope_cos.cpu(), cos) and torch.equal(block.attn.rope_sin.cpu(), sin)):
+                raise BundleError(f"{where}: the module's rotary tables are not the ones its config derives")
     actual = weights_sha256(module)
     if actual != manifest.weights_sha256:
         raise BundleError(f"{where} failed its weights check: manifest weights_sha256 {manifest.weights_sha256}, "

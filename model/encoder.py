@@ -45,6 +45,39 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm (x / sqrt(mean(x^2) + eps) * weight, no bias) in fp32 whatever the module dtype, then cast back."""
+
+    eps: Final[float]
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+def make_norm(config: EncoderConfig) -> nn.Module:
+    """The model's norm: LayerNorm (with or without bias) or RMSNorm, as config.norm and norm_bias say."""
+    if config.norm == "rms":
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+    return LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+
+def rotary_tables(n_positions: int, dims: int, base: float) -> Tuple[Tensor, Tensor]:
+    """(cos, sin), each (n_positions, dims) fp32: position t, frequency base^(-2i/dims), the dims/2 frequencies
+    twice (the "rotate half" layout). Computed as Hugging Face's rotary embeddings compute them (fp32
+    inv_freq from int64 exponents, fp32 outer product), so the same bits as its cos/sin on the same CPU."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))  # (dims/2,)
+    freqs = torch.arange(n_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # (n, dims/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (n, dims)
+    return emb.cos(), emb.sin()
+
+
 class MultiHeadAttention(nn.Module):
     """Self-attention with a fused QKV projection; rows of `qkv.weight` are q|k|v like nn.MultiheadAttention."""
 
@@ -55,6 +88,9 @@ class MultiHeadAttention(nn.Module):
     has_rel_bias: Final[bool]
     fp16_min: Final[float]
     bf16_min: Final[float]
+    rotary: Final[bool]
+    rotary_dims: Final[int]
+    rotary_base: Final[float]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -68,8 +104,15 @@ class MultiHeadAttention(nn.Module):
         # The SDPA path's float mask is in the module dtype (TorchScript has no torch.finfo).
         self.fp16_min = torch.finfo(torch.float16).min
         self.bf16_min = torch.finfo(torch.bfloat16).min
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.linear_bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.linear_bias)
+        self.rotary = config.positional == "rotary"
+        self.rotary_dims = config.rotary_dims if self.rotary else 0
+        self.rotary_base = config.rotary_base
+        # Derived from the config (not in the state_dict), as the sinusoidal table; empty when not rotary.
+        cos, sin = rotary_tables(config.max_length if self.rotary else 0, max(self.rotary_dims, 2), config.rotary_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         self.has_rel_bias = config.relative_bias == "per_layer"
         if self.has_rel_bias:
             self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
@@ -105,6 +148,8 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.rotary:
+            q, k = self._rotate(q, T), self._rotate(k, T)
         weights: Optional[Tensor] = None
         if self.has_rel_bias:
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
@@ -146,6 +191,18 @@ class MultiHeadAttention(nn.Module):
         return self.proj(y), weights
 
 
+    def _rotate(self, x: Tensor, T: int) -> Tensor:
+        """Rotary positions on x (B, nh, T, hs): its first rotary_dims dims, position t of every row."""
+        r = self.rotary_dims
+        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)  # (T, r)
+        xr = x[..., :r]
+        half = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), dim=-1)  # rotate_half
+        out = xr * cos + half * sin
+        if r == self.d_head:
+            return out
+        return torch.cat((out, x[..., r:]), dim=-1)
+
+
 def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
     """(B, 2) fp32 per sequence: the largest |score| and the mean normalised entropy of one layer.
 
@@ -167,21 +224,40 @@ def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
 
 
 class FeedForward(nn.Module):
-    """Position-wise MLP: fc2(act(fc1(x))), the linear1/linear2 of nn.TransformerEncoderLayer."""
+    """Position-wise MLP: fc2(act(fc1(x))), the linear1/linear2 of nn.TransformerEncoderLayer; gated
+    (config.ffn_gated): fc1 gives 2 * d_ff and fc2(act(first half) * second half) (GeGLU, SwiGLU)."""
 
     use_gelu: Final[bool]
+    use_gelu_tanh: Final[bool]
+    use_silu: Final[bool]
+    gated: Final[bool]
+    d_ff: Final[int]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.use_gelu = config.activation == "gelu"
-        self.fc1 = nn.Linear(config.d_model, config.d_ff)
-        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.use_gelu_tanh = config.activation == "gelu_tanh"
+        self.use_silu = config.activation == "silu"
+        self.gated = config.ffn_gated
+        self.d_ff = config.d_ff
+        self.fc1 = nn.Linear(config.d_model, config.d_ff * (2 if config.ffn_gated else 1), bias=config.linear_bias)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.linear_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
-        # Exact (erf) GELU, as nn.TransformerEncoderLayer(activation="gelu"); not the tanh approximation.
-        h = F.gelu(h) if self.use_gelu else F.relu(h)
-        return self.fc2(h)
+        if self.gated:
+            return self.fc2(self._act(h[..., : self.d_ff]) * h[..., self.d_ff:])
+        return self.fc2(self._act(h))
+
+    def _act(self, h: Tensor) -> Tensor:
+        # Exact (erf) GELU, as nn.TransformerEncoderLayer(activation="gelu"); gelu_tanh the tanh approximation.
+        if self.use_gelu:
+            return F.gelu(h)
+        if self.use_gelu_tanh:
+            return F.gelu(h, approximate="tanh")
+        if self.use_silu:
+            return F.silu(h)
+        return F.relu(h)
 
 
 class EncoderBlock(nn.Module):
@@ -192,9 +268,9 @@ class EncoderBlock(nn.Module):
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.norm_first = config.norm_first
-        self.ln1 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ln1 = make_norm(config)
         self.attn = MultiHeadAttention(config)
-        self.ln2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.ln2 = make_norm(config)
         self.ff = FeedForward(config)
 
     def forward(
@@ -277,20 +353,20 @@ class Encoder(nn.Module):
         self.d_model = config.d_model
         self.n_layers = config.n_layers
         self.max_length = config.max_length
-        self.has_positions = config.positional != "none"
+        self.has_positions = config.positional in ("learned", "sinusoidal")  # a table added to the input
         self.pack_min_padding = PACK_MIN_PADDING
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         if config.positional == "learned":
             self.pos_emb = nn.Parameter(torch.zeros(config.position_rows, config.d_model))
         else:
             # Derived from the config, so not in the state_dict (nor in the weights checksum);
-            # TorchScript still saves it with the module. "none" keeps an empty table for the type.
+            # TorchScript still saves it with the module. "none" and "rotary" keep an empty table for the type.
             table = sinusoidal_table(config.position_rows, config.d_model)
             self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
         # BERT's LayerNorm over word + position (+ token type) embeddings; also over given embeddings.
-        self.ln_emb = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else nn.Identity()
+        self.ln_emb = make_norm(config) if config.embedding_norm else nn.Identity()
         self.blocks = nn.ModuleList([EncoderBlock(config) for _ in range(config.n_layers)])
-        self.ln_f = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
+        self.ln_f = make_norm(config) if config.final_norm else nn.Identity()
         self.has_rel_bias = config.relative_bias == "shared"  # per_layer tables live in each attention
         if self.has_rel_bias:
             self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
