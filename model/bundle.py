@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
-from model.encoder import rotary_tables, sinusoidal_table
+from model.encoder import relative_buckets, rotary_tables, sinusoidal_table
 from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
@@ -200,13 +200,19 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "embedding_norm": "ln_emb.weight" in params,
             # Bundles from before these fields have neither constant: no bias, 1/sqrt(d_head).
             "relative_bias": "per_layer" if getattr(first.attn, "has_rel_bias", False)
-            else "shared" if getattr(enc, "has_rel_bias", False) else "none",
+            else "shared" if getattr(enc, "has_rel_bias", False)
+            else "bucketed" if getattr(enc, "bucketed", False) else "none",
             "attention_scale": float(first.attn.scale),
             "position_offset": int(getattr(enc, "position_offset", 0)),  # bundles from before it: 0
             "norm": "rms" if _class_name(first.ln1) == "RMSNorm" else "layer",
             "ffn_gated": bool(getattr(first.ff, "gated", False)),
             "linear_bias": "blocks.0.attn.qkv.bias" in params,
         }
+        if facts["relative_bias"] == "bucketed":
+            facts["relative_buckets"] = int(enc.rel_buckets.shape[0])
+            if tuple(enc.rel_buckets.shape) != (facts["relative_buckets"], facts["n_heads"]):
+                raise BundleError(f"the module's bucket table is {tuple(enc.rel_buckets.shape)}, not "
+                                  f"(relative_buckets, n_heads)")
         if facts["norm"] == "layer":  # RMSNorm has no bias whatever norm_bias says
             facts["norm_bias"] = "blocks.0.ln1.bias" in params
         if facts["positional"] == "rotary":
@@ -252,6 +258,11 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
         if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"] + facts["position_offset"],
                                                             facts["d_model"])):
             raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
+    if facts["relative_bias"] == "bucketed":  # derived, outside weights_sha256
+        c = manifest.config
+        index = relative_buckets(c.max_length, c.relative_buckets, c.relative_max_distance)
+        if not torch.equal(_encoder_of(module)[1].bucket_index.cpu(), index):
+            raise BundleError(f"{where}: the module's relative position buckets are not the ones its config derives")
     if facts["positional"] == "rotary":  # derived tables as well: each layer's against its config
         c = manifest.config
         cos, sin = rotary_tables(c.max_length, c.rotary_dims, c.rotary_base)

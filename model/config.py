@@ -14,7 +14,7 @@ from typing import Any
 POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 NORMS = ("layer", "rms")
-RELATIVE_BIASES = ("none", "shared", "per_layer")
+RELATIVE_BIASES = ("none", "shared", "per_layer", "bucketed")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class EncoderConfig:
     # A learned (n_heads, max_length, max_length) table added to the scaled scores before mask and softmax,
     # sliced [:, :T, :T], as the tutorials' RelativePositionBias writes it: none | shared (one for all
     # layers) | per_layer.
+    # bucketed: MPNet / T5 (bidirectional) relative positions, one learned (relative_buckets, n_heads) table
+    # shared by all layers, indexed by the bucket of j - i (exact up to relative_buckets / 4 apart, then
+    # logarithmic up to relative_max_distance).
     relative_bias: str = "none"
     # The multiplier of q.k. None: 1/sqrt(d_head), the correct one. Set it only to serve a model trained
     # with another (the sqrt(embed_size) of one tutorial); the manifest then states it.
@@ -62,6 +65,8 @@ class EncoderConfig:
     # Gated feed-forward: fc1 gives 2 * d_ff, fc2(act(first half) * second half) (GeGLU: gelu, SwiGLU: silu).
     ffn_gated: bool = False
     linear_bias: bool = True  # False: every projection (qkv, proj, fc1, fc2) without a bias
+    relative_buckets: int = 32  # relative_bias="bucketed" only
+    relative_max_distance: int = 128
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_heads", "n_layers", "d_ff", "vocab_size", "max_length"):
@@ -106,6 +111,13 @@ class EncoderConfig:
         if offset and self.positional not in ("learned", "sinusoidal"):
             raise ValueError(f"EncoderConfig.position_offset={offset} needs a position table "
                              f"(positional={self.positional!r})")
+        for name in ("relative_buckets", "relative_max_distance"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 4:
+                raise ValueError(f"EncoderConfig.{name} must be an int >= 4, got {value!r}")
+        if self.relative_max_distance <= self.relative_buckets // 4:
+            raise ValueError(f"EncoderConfig.relative_max_distance={self.relative_max_distance} must exceed "
+                             f"relative_buckets // 4 = {self.relative_buckets // 4} (the exact buckets)")
         scale = self.attention_scale
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, int | float) or not (math.isfinite(scale)

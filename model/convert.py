@@ -71,7 +71,7 @@ _MULTI = ("concat", "fold", "add")  # ops whose src is a list
 _NO_SRC = ("zeros", "ones")
 # Our parameters that exist only for some configs: named in "not covered" errors.
 _CONFIG_OF = {"pos_emb": "positional='learned'", "ln_f.": "final_norm=True", "rel_bias": "relative_bias",
-              "ln_emb.": "embedding_norm=True"}
+              "rel_buckets": "relative_bias='bucketed'", "ln_emb.": "embedding_norm=True"}
 
 
 class ConversionError(ValueError):

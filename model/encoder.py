@@ -324,6 +324,22 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
     return table.float()
 
 
+def relative_buckets(n_positions: int, n_buckets: int, max_distance: int) -> Tensor:
+    """(n_positions, n_positions) int64: the bucket of key j - query i, bidirectional, as MPNet's (and T5's)
+    relative_position_bucket computes it: half the buckets per direction, the first half of those exact
+    distances, the rest logarithmic up to max_distance (fp32 log, as Hugging Face computes it)."""
+    pos = torch.arange(n_positions, dtype=torch.long)
+    n = -(pos[None, :] - pos[:, None])  # i - j
+    half = n_buckets // 2
+    ret = (n < 0).to(torch.long) * half
+    n = torch.abs(n)
+    max_exact = half // 2
+    large = max_exact + (torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (half - max_exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, half - 1))
+    return ret + torch.where(n < max_exact, n, large)
+
+
 def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
     # Uniform with the given std, drawn as integers and scaled in fp64: torch's float samplers have
     # vectorised kernels whose last bit may differ between CPUs; integer draws and exact scaling do not.
@@ -345,6 +361,7 @@ class Encoder(nn.Module):
     pack_min_padding: Final[float]
     has_rel_bias: Final[bool]
     position_offset: Final[int]
+    bucketed: Final[bool]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -372,6 +389,14 @@ class Encoder(nn.Module):
             self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
         else:
             self.register_buffer("rel_bias", torch.zeros(0), persistent=False)
+        self.bucketed = config.relative_bias == "bucketed"
+        if self.bucketed:  # the learned (buckets, nh) table; the bucket of each (i, j) derived (not saved)
+            self.rel_buckets = nn.Parameter(torch.zeros(config.relative_buckets, config.n_heads))
+            index = relative_buckets(config.max_length, config.relative_buckets, config.relative_max_distance)
+        else:
+            self.register_buffer("rel_buckets", torch.zeros(0), persistent=False)
+            index = torch.zeros(0, 0, dtype=torch.long)
+        self.register_buffer("bucket_index", index, persistent=False)
 
     def init_weights(self, seed: int) -> "Encoder":
         """Re-initialise deterministically: same seed -> same bits on any machine and torch version.
@@ -481,6 +506,8 @@ class Encoder(nn.Module):
         bias: Optional[Tensor] = None
         if self.has_rel_bias:
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
+        if self.bucketed:
+            bias = F.embedding(self.bucket_index[:T, :T], self.rel_buckets).permute(2, 0, 1)  # (nh, T, T)
         weights: List[Tensor] = []
         for i, block in enumerate(self.blocks):
             x, w = block(x, mask, i in attn_layers, unpadded, packed, bias, diagnose)

@@ -28,6 +28,7 @@ model's prefix (a task head under `cls.`, `classifier.`) are ignored, as `conver
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -147,6 +148,16 @@ def _read_roberta(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversi
     return _bert_like(hf, refuse, _pad_offset(hf, refuse))
 
 
+def _read_mpnet(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    # MPNetEmbeddings numbers positions from its padding_idx, fixed at 1 whatever pad_token_id says; and its
+    # relative_position_bucket is called with 32 buckets and max_distance 128 whatever the table's size.
+    if hf.get("relative_attention_num_buckets", 32) != 32:
+        raise refuse("relative_attention_num_buckets", "MPNetModel buckets relative positions into 32 whatever "
+                     "this says; only 32 is reproduced")
+    config = _bert_like(hf, refuse, position_offset=2)
+    return dataclasses.replace(config, relative_bias="bucketed", relative_buckets=32, relative_max_distance=128)
+
+
 @dataclass(frozen=True)
 class Family:
     """One model_type: how its config.json reads as an EncoderConfig, the key map of its weights, and the
@@ -163,6 +174,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("bert", _read_bert, BERT_KEYMAP, ("", "bert.")),
     Family("roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
     Family("xlm-roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
+    Family("mpnet", _read_mpnet, "hf_mpnet", ("", "mpnet.")),
 )}
 
 

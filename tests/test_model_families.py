@@ -134,3 +134,30 @@ def test_roberta_refusals_name_the_field(tmp_path: Path) -> None:
             convert_hf(src)
     (src / "config.json").write_text(json.dumps(config))
     convert_hf(src)  # the unedited folder converts
+
+
+def test_mpnet_matches_hf(tmp_path: Path) -> None:
+    """MPNet: RoBERTa's offset positions plus T5-style bucketed relative positions shared by every layer,
+    on sequences long enough (60) for the logarithmic buckets (distances 8 and up)."""
+    import transformers
+
+    config = transformers.MPNetConfig(
+        vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        layer_norm_eps=1e-5, hidden_act="gelu")
+    config._attn_implementation = "eager"
+    torch.manual_seed(5)
+    model = transformers.MPNetModel(config).eval()
+    randomize_(model, 5)
+    bundle = _convert(save_hf(model, tmp_path / "mpnet", unigram_tokenizer_json()), tmp_path / "bundle")
+    manifest = read_manifest(bundle)
+    assert (manifest.config.relative_bias, manifest.config.position_offset, manifest.config.max_length) == (
+        "bucketed", 2, 64)
+    module = load_bundle(bundle).module
+    for lengths, seed in (([60, 9, 1, 33, 64], 0), (SAME, 1)):
+        ids, n = mixed_batch(lengths, len(UNIGRAM_VOCAB), pad=1, bos=0, eos=2, seed=seed)
+        assert_matches_hf(module, model, ids, n)
+    (tmp_path / "mpnet" / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "mpnet" / "config.json").read_text()), "relative_attention_num_buckets": 64}))
+    with pytest.raises(HFConversionError, match="relative_attention_num_buckets=64"):
+        convert_hf(tmp_path / "mpnet")
