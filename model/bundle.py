@@ -195,7 +195,7 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "norm_first": bool(first.norm_first),
             "activation": "gelu" if first.ff.use_gelu else "gelu_tanh" if getattr(first.ff, "use_gelu_tanh", False)
             else "silu" if getattr(first.ff, "use_silu", False) else "relu",
-            "layer_norm_eps": float(first.ln1.eps),
+            "layer_norm_eps": float(first.ln2.eps),
             "final_norm": "ln_f.weight" in params,
             "embedding_norm": "ln_emb.weight" in params,
             # Bundles from before these fields have neither constant: no bias, 1/sqrt(d_head).
@@ -204,17 +204,28 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             else "bucketed" if getattr(enc, "bucketed", False) else "none",
             "attention_scale": float(first.attn.scale),
             "position_offset": int(getattr(enc, "position_offset", 0)),  # bundles from before it: 0
-            "norm": "rms" if _class_name(first.ln1) == "RMSNorm" else "layer",
+            "norm": "rms" if _class_name(first.ln2) == "RMSNorm" else "layer",
+            "first_attn_norm": _class_name(first.ln1) != "Identity",
+            "local_radius": int(getattr(enc, "local_radius", 0)),
             "ffn_gated": bool(getattr(first.ff, "gated", False)),
             "linear_bias": "blocks.0.attn.qkv.bias" in params,
         }
+        if facts["local_radius"] > 0:  # which layers are local, and their rotary base
+            facts["global_every"] = int(enc.global_every)
+            local = [bool(b.local) for b in blocks]
+            want = [i % facts["global_every"] != 0 for i in range(len(blocks))]
+            if local != want:
+                raise BundleError(f"the module's local layers {local} are not every layer but each "
+                                  f"{facts['global_every']}th")
+            if facts["positional"] == "rotary" and any(local):
+                facts["local_rotary_base"] = float(blocks[local.index(True)].attn.rotary_base)
         if facts["relative_bias"] == "bucketed":
             facts["relative_buckets"] = int(enc.rel_buckets.shape[0])
             if tuple(enc.rel_buckets.shape) != (facts["relative_buckets"], facts["n_heads"]):
                 raise BundleError(f"the module's bucket table is {tuple(enc.rel_buckets.shape)}, not "
                                   f"(relative_buckets, n_heads)")
         if facts["norm"] == "layer":  # RMSNorm has no bias whatever norm_bias says
-            facts["norm_bias"] = "blocks.0.ln1.bias" in params
+            facts["norm_bias"] = "blocks.0.ln2.bias" in params
         if facts["positional"] == "rotary":
             facts["rotary_base"] = float(first.attn.rotary_base)
             facts["rotary_dims"] = int(first.attn.rotary_dims)  # what rotary_fraction of d_head comes to
@@ -226,7 +237,8 @@ def module_config_facts(module: Any) -> dict[str, Any]:
                               f"(n_heads, max_length, max_length) = {want_table}")
         # Constants each layer holds for itself must agree with the first (and the encoder's own count).
         layer_facts = {(int(b.attn.n_heads), int(b.attn.d_head), bool(b.norm_first), bool(b.ff.use_gelu),
-                        float(b.ln1.eps), float(b.ln2.eps), float(b.attn.scale)) for b in blocks}
+                        float(b.ln1.eps if i or facts["first_attn_norm"] else b.ln2.eps), float(b.ln2.eps),
+                        float(b.attn.scale)) for i, b in enumerate(blocks)}
         if int(enc.n_layers) != len(blocks) or len(layer_facts) != 1:
             raise BundleError(f"the module's layers disagree: n_layers constant {int(enc.n_layers)}, "
                               f"{len(blocks)} blocks, per-layer constants {sorted(layer_facts)}")
@@ -246,8 +258,9 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
     """Refuse a module that contradicts its manifest: config fields by name, weights by digest."""
     facts = module_config_facts(module)
     # The scale the manifest's config means (null: 1/sqrt(d_head)) against the one the module multiplies by.
-    config = {**manifest.config.to_dict(), "attention_scale": manifest.config.scale,
-              "rotary_dims": manifest.config.rotary_dims}
+    c = manifest.config
+    config = {**c.to_dict(), "attention_scale": c.scale, "rotary_dims": c.rotary_dims,
+              "local_rotary_base": c.rotary_base if c.local_rotary_base is None else c.local_rotary_base}
     wrong = [f"config.{k} is {config[k]!r} in the manifest, {v!r} in the module" for k, v in facts.items()
              if config[k] != v]
     if wrong:
@@ -265,8 +278,9 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
             raise BundleError(f"{where}: the module's relative position buckets are not the ones its config derives")
     if facts["positional"] == "rotary":  # derived tables as well: each layer's against its config
         c = manifest.config
-        cos, sin = rotary_tables(c.max_length, c.rotary_dims, c.rotary_base)
-        for block in _encoder_of(module)[1].blocks.children():
+        for i, block in enumerate(_encoder_of(module)[1].blocks.children()):
+            base = c.local_rotary_base if c.is_local(i) and c.local_rotary_base is not None else c.rotary_base
+            cos, sin = rotary_tables(c.max_length, c.rotary_dims, base)
             if not (torch.equal(block.attn.rope_cos.cpu(), cos) and torch.equal(block.attn.rope_sin.cpu(), sin)):
                 raise BundleError(f"{where}: the module's rotary tables are not the ones its config derives")
     actual = weights_sha256(module)

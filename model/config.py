@@ -66,6 +66,15 @@ class EncoderConfig:
     ffn_gated: bool = False
     linear_bias: bool = True  # False: every projection (qkv, proj, fc1, fc2) without a bias
     relative_buckets: int = 32  # relative_bias="bucketed" only
+    # Local (sliding-window) attention: with local_radius > 0, layer i is local unless i % global_every == 0
+    # (ModernBERT: every third layer global); a local layer's query attends keys at most local_radius
+    # positions away, either side (ModernBERT: local_attention // 2), with rotary base local_rotary_base
+    # (null: rotary_base).
+    local_radius: int = 0
+    global_every: int = 1
+    local_rotary_base: float | None = None
+    # False: the first block's attention reads its input un-normed (pre-LN over normed embeddings: ModernBERT).
+    first_attn_norm: bool = True
     relative_max_distance: int = 128
 
     def __post_init__(self) -> None:
@@ -111,6 +120,20 @@ class EncoderConfig:
         if offset and self.positional not in ("learned", "sinusoidal"):
             raise ValueError(f"EncoderConfig.position_offset={offset} needs a position table "
                              f"(positional={self.positional!r})")
+        for name, low in (("local_radius", 0), ("global_every", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"EncoderConfig.{name} must be an int >= {low}, got {value!r}")
+        base = self.local_rotary_base
+        if base is not None:
+            if isinstance(base, bool) or not isinstance(base, int | float) or not (math.isfinite(base) and base > 1):
+                raise ValueError(f"EncoderConfig.local_rotary_base must be null or a finite float > 1, got {base!r}")
+            object.__setattr__(self, "local_rotary_base", float(base))
+        if not isinstance(self.first_attn_norm, bool):
+            raise ValueError(f"EncoderConfig.first_attn_norm must be a bool, got {self.first_attn_norm!r}")
+        if not self.first_attn_norm and not self.norm_first:
+            raise ValueError("EncoderConfig.first_attn_norm=False needs norm_first=True (a post-LN block's norm "
+                             "is on its output)")
         for name in ("relative_buckets", "relative_max_distance"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 4:
@@ -133,6 +156,10 @@ class EncoderConfig:
     def scale(self) -> float:
         """The attention scale the model uses: attention_scale, or 1/sqrt(d_head) when that is None."""
         return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.d_head)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends within local_radius only."""
+        return self.local_radius > 0 and layer % self.global_every != 0
 
     @property
     def rotary_dims(self) -> int:

@@ -92,7 +92,7 @@ class MultiHeadAttention(nn.Module):
     rotary_dims: Final[int]
     rotary_base: Final[float]
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, rotary_base: Optional[float] = None) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.d_head = config.d_head
@@ -108,9 +108,9 @@ class MultiHeadAttention(nn.Module):
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.linear_bias)
         self.rotary = config.positional == "rotary"
         self.rotary_dims = config.rotary_dims if self.rotary else 0
-        self.rotary_base = config.rotary_base
+        self.rotary_base = config.rotary_base if rotary_base is None else rotary_base
         # Derived from the config (not in the state_dict), as the sinusoidal table; empty when not rotary.
-        cos, sin = rotary_tables(config.max_length if self.rotary else 0, max(self.rotary_dims, 2), config.rotary_base)
+        cos, sin = rotary_tables(config.max_length if self.rotary else 0, max(self.rotary_dims, 2), self.rotary_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.has_rel_bias = config.relative_bias == "per_layer"
@@ -212,7 +212,7 @@ def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
     fewer than 2 allowed keys (a length-1 sequence, a causal first query) have no spread to measure and
     are left out; a sequence with no row left gets NaN entropy.
     """
-    keys = mask[:, 0, -1, :]  # (B, T): the key mask (the causal triangle's last row is all keys)
+    keys = mask.any(dim=2)[:, 0, :]  # (B, T): the key mask (keys some query may attend: causal, local or not)
     allowed = mask & keys[:, None, :, None]  # (B, 1, T, T): real queries over their allowed keys
     top = scores.abs().masked_fill(~allowed, 0.0).amax(dim=(1, 2, 3))  # (B,)
     n = allowed.sum(dim=-1).float()  # (B, 1, T): allowed keys per query
@@ -261,23 +261,30 @@ class FeedForward(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Attention then feed-forward, each in a residual; LayerNorm before (pre-LN) or after (post-LN)."""
+    """Attention then feed-forward, each in a residual; LayerNorm before (pre-LN) or after (post-LN).
+    A local block (config.is_local(index)) attends through the local mask it is given."""
 
     norm_first: Final[bool]
+    local: Final[bool]
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, index: int = 0) -> None:
         super().__init__()
         self.norm_first = config.norm_first
-        self.ln1 = make_norm(config)
-        self.attn = MultiHeadAttention(config)
+        self.local = config.is_local(index)
+        self.ln1 = nn.Identity() if index == 0 and not config.first_attn_norm else make_norm(config)
+        local_base = config.local_rotary_base if self.local else None
+        self.attn = MultiHeadAttention(config, local_base)
         self.ln2 = make_norm(config)
         self.ff = FeedForward(config)
 
     def forward(
         self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False,
         packed: Optional[Tuple[Tensor, Tensor]] = None, bias: Optional[Tensor] = None,
-        diagnose: bool = False,
+        diagnose: bool = False, local_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.local:  # keys beyond the radius are masked: never the unmasked fast path
+            assert local_mask is not None
+            mask, unpadded = local_mask, False
         if self.norm_first:
             a, w = self.attn(self.ln1(x), mask, need_weights, unpadded, packed, bias, diagnose)
             x = x + a
@@ -362,6 +369,8 @@ class Encoder(nn.Module):
     has_rel_bias: Final[bool]
     position_offset: Final[int]
     bucketed: Final[bool]
+    local_radius: Final[int]
+    global_every: Final[int]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -382,7 +391,9 @@ class Encoder(nn.Module):
             self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
         # BERT's LayerNorm over word + position (+ token type) embeddings; also over given embeddings.
         self.ln_emb = make_norm(config) if config.embedding_norm else nn.Identity()
-        self.blocks = nn.ModuleList([EncoderBlock(config) for _ in range(config.n_layers)])
+        self.blocks = nn.ModuleList([EncoderBlock(config, i) for i in range(config.n_layers)])
+        self.local_radius = config.local_radius
+        self.global_every = config.global_every
         self.ln_f = make_norm(config) if config.final_norm else nn.Identity()
         self.has_rel_bias = config.relative_bias == "shared"  # per_layer tables live in each attention
         if self.has_rel_bias:
@@ -508,9 +519,12 @@ class Encoder(nn.Module):
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
         if self.bucketed:
             bias = F.embedding(self.bucket_index[:T, :T], self.rel_buckets).permute(2, 0, 1)  # (nh, T, T)
+        local_mask: Optional[Tensor] = None
+        if self.local_radius > 0:  # (B, 1, T, T): the mask within local_radius either side
+            local_mask = mask & ((positions[None, :] - positions[:, None]).abs() <= self.local_radius)
         weights: List[Tensor] = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias, diagnose)
+            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias, diagnose, local_mask)
             if w is not None:
                 weights.append(w)
         x = self.ln_f(x)

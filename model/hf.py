@@ -158,6 +158,65 @@ def _read_mpnet(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversion
     return dataclasses.replace(config, relative_bias="bucketed", relative_buckets=32, relative_max_distance=128)
 
 
+_MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu",
+                           "relu": "relu"}
+
+
+def _read_modernbert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    """ModernBERT: rotary (global and local bases), GeGLU, local sliding-window layers between global ones."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+                "max_position_embeddings", "local_attention"):
+        if isinstance(hf.get(key), bool) or not isinstance(hf.get(key), int):
+            raise refuse(key, "must be an int")
+    act = hf.get("hidden_activation", "gelu")
+    if act not in _MODERNBERT_ACTIVATIONS:
+        raise refuse("hidden_activation", f"only {sorted(_MODERNBERT_ACTIVATIONS)} can be reproduced exactly")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise refuse("head_dim", "only hidden_size / num_attention_heads is supported")
+    if hf.get("is_causal") or hf.get("causal_mask"):
+        raise refuse("is_causal" if hf.get("is_causal") else "causal_mask", "a decoder is not an encoder")
+    n = hf["num_hidden_layers"]
+    every = hf.get("global_attn_every_n_layers", 3)
+    types = hf.get("layer_types")
+    if types is not None:  # transformers 5 writes the pattern out; it must be global every n-th layer
+        if not isinstance(types, list) or len(types) != n or types[0] != "full_attention":
+            raise refuse("layer_types", "must list num_hidden_layers layers, the first 'full_attention'")
+        fulls = [i for i, t in enumerate(types) if t == "full_attention"]
+        every = fulls[1] if len(fulls) > 1 else n
+        if types != ["full_attention" if i % every == 0 else "sliding_attention" for i in range(n)]:
+            raise refuse("layer_types", "only global attention every n-th layer (from 0), local between, is "
+                         "supported")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise refuse("global_attn_every_n_layers", "must be an int >= 1")
+    rope = hf.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict) or not all(isinstance(rope.get(k), dict) for k in (
+                "full_attention", "sliding_attention")):
+            raise refuse("rope_parameters", "must hold full_attention and sliding_attention settings")
+        for kind in ("full_attention", "sliding_attention"):
+            if rope[kind].get("rope_type", "default") != "default" or rope[kind].get("partial_rotary_factor", 1.0) != 1:
+                raise refuse("rope_parameters", f"{kind}: only the default rope_type over the whole head is "
+                             "supported")
+        global_base, local_base = rope["full_attention"].get("rope_theta"), rope["sliding_attention"].get("rope_theta")
+    else:  # the files before transformers 5
+        if hf.get("rope_scaling"):
+            raise refuse("rope_scaling", "scaled rotary positions are not supported")
+        global_base, local_base = hf.get("global_rope_theta", 160000.0), hf.get("local_rope_theta", 10000.0)
+    if local_base is None:
+        local_base = global_base
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    return EncoderConfig(
+        d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], n_layers=n, d_ff=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], max_length=hf["max_position_embeddings"], positional="rotary",
+        rotary_base=global_base, local_rotary_base=local_base, norm_first=True, first_attn_norm=False,
+        activation=_MODERNBERT_ACTIVATIONS[act], layer_norm_eps=hf.get("norm_eps", 1e-5),
+        norm_bias=bool(hf.get("norm_bias", False)), embedding_norm=True, final_norm=True, ffn_gated=True,
+        # One flag for every projection: a checkpoint with biases in only some has zeros in the others.
+        linear_bias=bool(attention_bias or mlp_bias),
+        local_radius=hf["local_attention"] // 2 if every > 1 else 0, global_every=every,
+    )
+
+
 @dataclass(frozen=True)
 class Family:
     """One model_type: how its config.json reads as an EncoderConfig, the key map of its weights, and the
@@ -175,6 +234,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
     Family("xlm-roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
     Family("mpnet", _read_mpnet, "hf_mpnet", ("", "mpnet.")),
+    Family("modernbert", _read_modernbert, "hf_modernbert", ("", "model."), "embeddings.tok_embeddings.weight"),
 )}
 
 

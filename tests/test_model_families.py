@@ -161,3 +161,44 @@ def test_mpnet_matches_hf(tmp_path: Path) -> None:
         {**json.loads((tmp_path / "mpnet" / "config.json").read_text()), "relative_attention_num_buckets": 64}))
     with pytest.raises(HFConversionError, match="relative_attention_num_buckets=64"):
         convert_hf(tmp_path / "mpnet")
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # ModernBERT's defaults: no biases anywhere, exact GELU
+    {"norm_bias": True, "attention_bias": True, "mlp_bias": False, "hidden_activation": "gelu_pytorch_tanh"},
+], ids=["defaults", "biases+gelu_tanh"])
+def test_modernbert_matches_hf(tmp_path: Path, overrides: dict[str, Any]) -> None:
+    """ModernBERT: rotary (global and local bases), GeGLU, no norm before the first attention, local attention
+    (radius local_attention // 2 = 4) in layers 1, 2, 4, 5 between the global 0 and 3, on sequences up to 40
+    long, far past the window."""
+    import transformers
+
+    config = transformers.ModernBertConfig(
+        vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=48, local_attention=8, global_attn_every_n_layers=3,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(6)
+    model = transformers.ModernBertModel(config).eval()
+    randomize_(model, 6)
+    src = save_hf(model, tmp_path / "modernbert", unigram_tokenizer_json())
+    bundle = _convert(src, tmp_path / "bundle")
+    c = read_manifest(bundle).config
+    assert (c.positional, c.rotary_base, c.local_rotary_base, c.local_radius, c.global_every) == (
+        "rotary", 160000.0, 10000.0, 4, 3)
+    assert [c.is_local(i) for i in range(6)] == [False, True, True, False, True, True]
+    module = load_bundle(bundle).module
+    for lengths, seed in (([40, 9, 1, 23, 5], 0), ([30, 30], 1)):
+        ids, n = mixed_batch(lengths, len(UNIGRAM_VOCAB), pad=1, bos=0, eos=2, seed=seed)
+        assert_matches_hf(module, model, ids, n)
+        _, weights = module(ids, None, n, False, [1])
+        assert weights is not None and not bool(weights[0, 0, :, 20, 25:].any())  # a local layer: |i - j| <= 4
+        assert bool((weights[0, 0, :, 20, 16:25] > 0).all())
+    config_json = json.loads((src / "config.json").read_text())
+    for change, named in (({"layer_types": ["full_attention"] * 5 + ["sliding_attention"]}, "layer_types"),
+                          ({"hidden_activation": "gelu_new"}, "hidden_activation='gelu_new'"),
+                          ({"rope_parameters": {**config_json["rope_parameters"], "full_attention": {
+                              "rope_type": "linear", "rope_theta": 1.0, "factor": 2.0}}}, "rope_parameters")):
+        (src / "config.json").write_text(json.dumps({**config_json, **change}))
+        with pytest.raises(HFConversionError, match=re.escape(named)):
+            convert_hf(src)
