@@ -50,7 +50,6 @@ class HFConversionError(ValueError):
 # What cannot be reproduced (or is not converted yet), by model_type, said plainly.
 _REFUSED_TYPES = {
     "camembert": "CamemBERT (RoBERTa positions) is not supported yet",
-    "distilbert": "DistilBERT (other key names, no token types) is not supported yet",
     "nomic_bert": "NomicBERT (rotary positions, SwiGLU) cannot be reproduced",
     "new": "the 'new' architecture (rotary positions) cannot be reproduced",
 }
@@ -158,6 +157,19 @@ def _read_mpnet(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversion
     return dataclasses.replace(config, relative_bias="bucketed", relative_buckets=32, relative_max_distance=128)
 
 
+def _read_distilbert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    # DistilBERT's names for BERT's fields; its LayerNorms' eps is fixed at 1e-12 in the model code.
+    names = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+             "hidden_dim": "intermediate_size", "activation": "hidden_act"}
+    renamed = {**hf, **{bert: hf[ours] for ours, bert in names.items() if ours in hf}}
+
+    def refuse_named(key: str, why: str) -> HFConversionError:
+        source = next((d for d, b in names.items() if b == key), key)
+        return refuse(source, why)
+
+    return dataclasses.replace(_bert_like(renamed, refuse_named), layer_norm_eps=1e-12)
+
+
 _MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu",
                            "relu": "relu"}
 
@@ -234,6 +246,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
     Family("xlm-roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
     Family("mpnet", _read_mpnet, "hf_mpnet", ("", "mpnet.")),
+    Family("distilbert", _read_distilbert, "hf_distilbert", ("", "distilbert.")),
     Family("modernbert", _read_modernbert, "hf_modernbert", ("", "model."), "embeddings.tok_embeddings.weight"),
 )}
 

@@ -202,3 +202,26 @@ def test_modernbert_matches_hf(tmp_path: Path, overrides: dict[str, Any]) -> Non
         (src / "config.json").write_text(json.dumps({**config_json, **change}))
         with pytest.raises(HFConversionError, match=re.escape(named)):
             convert_hf(src)
+
+
+def test_distilbert_matches_hf(tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=len(UNIGRAM_VOCAB), dim=32, n_layers=3, n_heads=4,
+                                           hidden_dim=64, max_position_embeddings=24, pad_token_id=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(8)
+    model = transformers.DistilBertModel(config).eval()
+    randomize_(model, 8)
+    src = save_hf(model, tmp_path / "distilbert", unigram_tokenizer_json())
+    bundle = _convert(src, tmp_path / "bundle")
+    c = read_manifest(bundle).config
+    assert (c.d_model, c.n_layers, c.d_ff, c.layer_norm_eps, c.position_offset) == (32, 3, 64, 1e-12, 0)
+    module = load_bundle(bundle).module
+    for lengths, seed in (([24, 9, 1, 13], 0), (SAME, 1)):
+        ids, n = mixed_batch(lengths, len(UNIGRAM_VOCAB), pad=1, bos=0, eos=2, seed=seed)
+        assert_matches_hf(module, model, ids, n)
+    (src / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
+                                                 "activation": "gelu_new"}))
+    with pytest.raises(HFConversionError, match=re.escape("activation='gelu_new'")):
+        convert_hf(src)
