@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
-from model.encoder import relative_buckets, rotary_tables, sinusoidal_table
+from model.encoder import relative_buckets, sinusoidal_table
 from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
@@ -276,13 +276,6 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
         index = relative_buckets(c.max_length, c.relative_buckets, c.relative_max_distance)
         if not torch.equal(_encoder_of(module)[1].bucket_index.cpu(), index):
             raise BundleError(f"{where}: the module's relative position buckets are not the ones its config derives")
-    if facts["positional"] == "rotary":  # derived tables as well: each layer's against its config
-        c = manifest.config
-        for i, block in enumerate(_encoder_of(module)[1].blocks.children()):
-            base = c.local_rotary_base if c.is_local(i) and c.local_rotary_base is not None else c.rotary_base
-            cos, sin = rotary_tables(c.max_length, c.rotary_dims, base)
-            if not (torch.equal(block.attn.rope_cos.cpu(), cos) and torch.equal(block.attn.rope_sin.cpu(), sin)):
-                raise BundleError(f"{where}: the module's rotary tables are not the ones its config derives")
     actual = weights_sha256(module)
     if actual != manifest.weights_sha256:
         raise BundleError(f"{where} failed its weights check: manifest weights_sha256 {manifest.weights_sha256}, "

@@ -68,16 +68,6 @@ def make_norm(config: EncoderConfig) -> nn.Module:
     return LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
 
 
-def rotary_tables(n_positions: int, dims: int, base: float) -> Tuple[Tensor, Tensor]:
-    """(cos, sin), each (n_positions, dims) fp32: position t, frequency base^(-2i/dims), the dims/2 frequencies
-    twice (the "rotate half" layout). Computed as Hugging Face's rotary embeddings compute them (fp32
-    inv_freq from int64 exponents, fp32 outer product), so the same bits as its cos/sin on the same CPU."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.int64).float() / dims))  # (dims/2,)
-    freqs = torch.arange(n_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # (n, dims/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (n, dims)
-    return emb.cos(), emb.sin()
-
-
 class MultiHeadAttention(nn.Module):
     """Self-attention with a fused QKV projection; rows of `qkv.weight` are q|k|v like nn.MultiheadAttention."""
 
@@ -109,10 +99,6 @@ class MultiHeadAttention(nn.Module):
         self.rotary = config.positional == "rotary"
         self.rotary_dims = config.rotary_dims if self.rotary else 0
         self.rotary_base = config.rotary_base if rotary_base is None else rotary_base
-        # Derived from the config (not in the state_dict), as the sinusoidal table; empty when not rotary.
-        cos, sin = rotary_tables(config.max_length if self.rotary else 0, max(self.rotary_dims, 2), self.rotary_base)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         self.has_rel_bias = config.relative_bias == "per_layer"
         if self.has_rel_bias:
             self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
@@ -149,7 +135,7 @@ class MultiHeadAttention(nn.Module):
         k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         if self.rotary:
-            q, k = self._rotate(q, T), self._rotate(k, T)
+            q, k = self._rotate(q, k, T)
         weights: Optional[Tensor] = None
         if self.has_rel_bias:
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
@@ -191,13 +177,24 @@ class MultiHeadAttention(nn.Module):
         return self.proj(y), weights
 
 
-    def _rotate(self, x: Tensor, T: int) -> Tensor:
-        """Rotary positions on x (B, nh, T, hs): its first rotary_dims dims, position t of every row."""
+    def _rotate(self, q: Tensor, k: Tensor, T: int) -> Tuple[Tensor, Tensor]:
+        """Rotary positions on q and k (B, nh, T, hs): their first rotary_dims dims, position t of every row.
+
+        cos and sin are computed here, in fp32, as Hugging Face's rotary embeddings compute them each call (a
+        table buffer would be cast with the module: a bf16 cos alone is off by up to 0.4%); the rotation runs in
+        fp32 too. Costs T * rotary_dims cos and sin per layer, next to the layer's T * d_model * d_model work."""
         r = self.rotary_dims
-        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)  # (T, r)
-        xr = x[..., :r]
+        exponents = torch.arange(0, r, 2, dtype=torch.int64, device=q.device).float() / r
+        inv_freq = 1.0 / torch.pow(self.rotary_base, exponents)  # (r/2,)
+        freqs = torch.arange(T, dtype=torch.int64, device=q.device).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, r): the r/2 frequencies twice ("rotate half" layout)
+        return self._rotate_one(q, emb.cos(), emb.sin()), self._rotate_one(k, emb.cos(), emb.sin())
+
+    def _rotate_one(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        r = self.rotary_dims
+        xr = x[..., :r].float()
         half = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), dim=-1)  # rotate_half
-        out = xr * cos + half * sin
+        out = (xr * cos + half * sin).to(x.dtype)
         if r == self.d_head:
             return out
         return torch.cat((out, x[..., r:]), dim=-1)

@@ -46,6 +46,46 @@ def _roberta_like(kind: str, seed: int, **overrides: Any) -> Any:
     return model
 
 
+def _mpnet(seed: int) -> Any:
+    import transformers
+
+    config = transformers.MPNetConfig(
+        vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        layer_norm_eps=1e-5, hidden_act="gelu")
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.MPNetModel(config).eval()
+    randomize_(model, seed)
+    return model
+
+
+def _modernbert(seed: int, **overrides: Any) -> Any:
+    import transformers
+
+    config = transformers.ModernBertConfig(
+        vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=48, local_attention=8, global_attn_every_n_layers=3,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.ModernBertModel(config).eval()
+    randomize_(model, seed)
+    return model
+
+
+def _distilbert(seed: int) -> Any:
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=len(UNIGRAM_VOCAB), dim=32, n_layers=3, n_heads=4,
+                                           hidden_dim=64, max_position_embeddings=24, pad_token_id=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.DistilBertModel(config).eval()
+    randomize_(model, seed)
+    return model
+
+
 def _convert(src: Path, out: Path) -> Path:
     assert main(["convert-hf", "--model-dir", str(src), "--out", str(out)]) == 0
     return out
@@ -139,16 +179,7 @@ def test_roberta_refusals_name_the_field(tmp_path: Path) -> None:
 def test_mpnet_matches_hf(tmp_path: Path) -> None:
     """MPNet: RoBERTa's offset positions plus T5-style bucketed relative positions shared by every layer,
     on sequences long enough (60) for the logarithmic buckets (distances 8 and up)."""
-    import transformers
-
-    config = transformers.MPNetConfig(
-        vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=66, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        layer_norm_eps=1e-5, hidden_act="gelu")
-    config._attn_implementation = "eager"
-    torch.manual_seed(5)
-    model = transformers.MPNetModel(config).eval()
-    randomize_(model, 5)
+    model = _mpnet(seed=5)
     bundle = _convert(save_hf(model, tmp_path / "mpnet", unigram_tokenizer_json()), tmp_path / "bundle")
     manifest = read_manifest(bundle)
     assert (manifest.config.relative_bias, manifest.config.position_offset, manifest.config.max_length) == (
@@ -171,16 +202,7 @@ def test_modernbert_matches_hf(tmp_path: Path, overrides: dict[str, Any]) -> Non
     """ModernBERT: rotary (global and local bases), GeGLU, no norm before the first attention, local attention
     (radius local_attention // 2 = 4) in layers 1, 2, 4, 5 between the global 0 and 3, on sequences up to 40
     long, far past the window."""
-    import transformers
-
-    config = transformers.ModernBertConfig(
-        vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=48, local_attention=8, global_attn_every_n_layers=3,
-        pad_token_id=1, bos_token_id=0, eos_token_id=2, cls_token_id=0, sep_token_id=2, **overrides)
-    config._attn_implementation = "eager"
-    torch.manual_seed(6)
-    model = transformers.ModernBertModel(config).eval()
-    randomize_(model, 6)
+    model = _modernbert(seed=6, **overrides)
     src = save_hf(model, tmp_path / "modernbert", unigram_tokenizer_json())
     bundle = _convert(src, tmp_path / "bundle")
     c = read_manifest(bundle).config
@@ -205,14 +227,7 @@ def test_modernbert_matches_hf(tmp_path: Path, overrides: dict[str, Any]) -> Non
 
 
 def test_distilbert_matches_hf(tmp_path: Path) -> None:
-    import transformers
-
-    config = transformers.DistilBertConfig(vocab_size=len(UNIGRAM_VOCAB), dim=32, n_layers=3, n_heads=4,
-                                           hidden_dim=64, max_position_embeddings=24, pad_token_id=1)
-    config._attn_implementation = "eager"
-    torch.manual_seed(8)
-    model = transformers.DistilBertModel(config).eval()
-    randomize_(model, 8)
+    model = _distilbert(seed=8)
     src = save_hf(model, tmp_path / "distilbert", unigram_tokenizer_json())
     bundle = _convert(src, tmp_path / "bundle")
     c = read_manifest(bundle).config
@@ -225,3 +240,48 @@ def test_distilbert_matches_hf(tmp_path: Path) -> None:
                                                  "activation": "gelu_new"}))
     with pytest.raises(HFConversionError, match=re.escape("activation='gelu_new'")):
         convert_hf(src)
+
+
+FAMILY_MODELS = {"roberta": lambda: _roberta_like("roberta", 1), "xlm-roberta": lambda: _roberta_like("xlm-roberta", 1),
+                 "mpnet": lambda: _mpnet(5), "modernbert": lambda: _modernbert(6), "distilbert": lambda: _distilbert(8)}
+# Reduced precision against the HF model in fp32: hidden states max |h - h_ref| / max |h_ref| and attention
+# weights max |w - w_ref|, both paths, the batch below; and against the HF model's own error cast to that
+# precision (ours must be no worse than 1.5x it + 0.002). Measured 2026-12-01 (CPU, AVX2; ours / HF's own):
+#   bf16: roberta, xlm-r 0.019 / 0.0075 (HF's own 0.019 / 0.0074); mpnet 0.019 / 0.016 (0.017 / 0.017);
+#         distilbert 0.013 / 0.011 (0.013 / 0.013); modernbert 0.037 / 0.039 (0.047 / 0.036: six layers of
+#         large random weights)
+#   fp16: roberta, xlm-r, mpnet, distilbert <= 0.0024 / 0.0019; modernbert 0.0040 / 0.0068 (0.0034 / 0.0044)
+PRECISION_BOUNDS = {"bfloat16": 0.05, "float16": 0.01}
+
+
+def _errors(got_h: torch.Tensor, got_w: torch.Tensor | None, want_h: torch.Tensor, want_w: torch.Tensor,
+            n: torch.Tensor) -> tuple[float, float]:
+    hidden, attention = 0.0, 0.0
+    for b, t in enumerate(n.tolist()):
+        ref = want_h[b, :t]
+        hidden = max(hidden, float((got_h[b, :t].float() - ref).abs().max() / ref.abs().max()))
+        if got_w is not None:
+            attention = max(attention, float((got_w[b, :, :, :t, :t].float() - want_w[b, :, :, :t, :t]).abs().max()))
+    return hidden, attention
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_MODELS))
+def test_reduced_precision_is_bounded(tmp_path: Path, family: str) -> None:
+    import copy
+
+    from tests.family_helpers import hf_forward
+
+    model = FAMILY_MODELS[family]()
+    bundle = _convert(save_hf(model, tmp_path / family, unigram_tokenizer_json()), tmp_path / "bundle")
+    ids, n = mixed_batch([20, 9, 1, 14], len(UNIGRAM_VOCAB), pad=1, bos=0, eos=2, seed=0)
+    want_h, want_w = hf_forward(model, ids, n)
+    for dtype, bound in PRECISION_BOUNDS.items():
+        module = load_bundle(bundle, dtype=dtype).module
+        hf_h, hf_w = hf_forward(copy.deepcopy(model).to(getattr(torch, dtype)), ids, n)
+        hf_errors = _errors(hf_h, hf_w, want_h, want_w, n)
+        for layers in ([], list(range(want_w.size(1)))):
+            with torch.inference_mode():
+                got_h, got_w = module(ids, None, n, False, layers)
+            errors = _errors(got_h, got_w, want_h, want_w, n)
+            assert max(errors) <= bound, (dtype, layers, errors)
+            assert all(e <= 1.5 * h + 0.002 for e, h in zip(errors, hf_errors, strict=True)), (errors, hf_errors)
