@@ -20,6 +20,12 @@ model.bundle.RELATIVE_ERROR_BOUND also applies at export):
   hidden states, max|x - x32| / max|x32|:  bf16 measured <= 0.0125, bound 0.03; fp16 <= 0.0014, bound 0.005
   attention weights, max|w - w32|:         bf16 measured <= 0.0097, bound 0.03; fp16 <= 0.0012, bound 0.005
 Rows of length 0, embeddings of magnitude 1e4 and max_length inputs stay finite in every dtype.
+
+Capabilities of other families, each an EncoderConfig field and off by default (then the frozen graph of
+REFERENCE is op for op the one without them: tests/test_model_capabilities.py): a position table read from
+an offset; rotary positions (cos/sin computed per call in fp32, as Hugging Face does); MPNet/T5 bucketed
+relative positions; RMSNorm, LayerNorm without bias; gated feed-forwards; gelu_tanh, silu; projections
+without biases; local (sliding-window) layers between global ones; no norm before the first attention.
 """
 
 import math

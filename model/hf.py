@@ -1,11 +1,17 @@
 """Hugging Face checkpoints -> EncoderConfig, key map and text settings (`convert-hf`).
 
 config.json's `model_type` picks the family (FAMILIES): how its config reads as an EncoderConfig, the key map
-in model/keymaps/ its weights go through, and the prefix its base model may sit under. BERT (hf_bert), RoBERTa
-and XLM-RoBERTa (hf_roberta: BERT's layout, positions from row pad_token_id + 1 on, EncoderConfig
-position_offset, as Hugging Face numbers a sequence with no padding id inside; a pad id typed inside a text
-would be numbered differently by Hugging Face). XLM-R's SentencePiece/Unigram tokenizer.json runs through
-the same `tokenizers` text path as BERT's WordPiece.
+in model/keymaps/ its weights go through, and the prefixes its base model may sit under. Each is checked
+against the transformers model itself (tests/test_model_families.py):
+  bert         hf_bert        post-LN, learned positions, token type 0 folded into the word table
+  roberta,     hf_roberta     BERT's layout; positions from row pad_token_id + 1 on (position_offset), as
+  xlm-roberta                 Hugging Face numbers a sequence with no pad id inside (a pad id typed inside a
+                              text is numbered otherwise by Hugging Face)
+  mpnet        hf_mpnet       RoBERTa's positions plus relative_bias="bucketed" (T5-style, shared by layers)
+  distilbert   hf_distilbert  BERT without token types, other names
+  modernbert   hf_modernbert  pre-LN, rotary (global / local bases), GeGLU, norms without bias, local
+                              sliding-window layers between every global_attn_every_n_layers-th
+XLM-R's SentencePiece/Unigram tokenizer.json runs through the same `tokenizers` text path as BERT's WordPiece.
 
 Reads a local model folder (never a hub): `config.json`, `model.safetensors` (or `pytorch_model.bin`,
 loaded with weights_only=True), `tokenizer.json`, and the sentence-transformers files when present
