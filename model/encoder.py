@@ -20,6 +20,12 @@ model.bundle.RELATIVE_ERROR_BOUND also applies at export):
   hidden states, max|x - x32| / max|x32|:  bf16 measured <= 0.0125, bound 0.03; fp16 <= 0.0014, bound 0.005
   attention weights, max|w - w32|:         bf16 measured <= 0.0097, bound 0.03; fp16 <= 0.0012, bound 0.005
 Rows of length 0, embeddings of magnitude 1e4 and max_length inputs stay finite in every dtype.
+
+Capabilities of other families, each an EncoderConfig field and off by default (then the frozen graph of
+REFERENCE is op for op the one without them: tests/model/test_model_capabilities.py): a position table read from
+an offset; rotary positions (cos/sin computed per call in fp32, as Hugging Face does); MPNet/T5 bucketed
+relative positions; RMSNorm, LayerNorm without bias; gated feed-forwards; gelu_tanh, silu; projections
+without biases; local (sliding-window) layers between global ones; no norm before the first attention.
 """
 
 import math
@@ -45,6 +51,29 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
 
 
+class RMSNorm(nn.Module):
+    """RMSNorm (x / sqrt(mean(x^2) + eps) * weight, no bias) in fp32 whatever the module dtype, then cast back."""
+
+    eps: Final[float]
+
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+def make_norm(config: EncoderConfig) -> nn.Module:
+    """The model's norm: LayerNorm (with or without bias) or RMSNorm, as config.norm and norm_bias say."""
+    if config.norm == "rms":
+        return RMSNorm(config.d_model, config.layer_norm_eps)
+    return LayerNorm(config.d_model, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+
 class MultiHeadAttention(nn.Module):
     """Self-attention with a fused QKV projection; rows of `qkv.weight` are q|k|v like nn.MultiheadAttention."""
 
@@ -55,8 +84,11 @@ class MultiHeadAttention(nn.Module):
     has_rel_bias: Final[bool]
     fp16_min: Final[float]
     bf16_min: Final[float]
+    rotary: Final[bool]
+    rotary_dims: Final[int]
+    rotary_base: Final[float]
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, rotary_base: Optional[float] = None) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.d_head = config.d_head
@@ -68,8 +100,11 @@ class MultiHeadAttention(nn.Module):
         # The SDPA path's float mask is in the module dtype (TorchScript has no torch.finfo).
         self.fp16_min = torch.finfo(torch.float16).min
         self.bf16_min = torch.finfo(torch.bfloat16).min
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.linear_bias)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.linear_bias)
+        self.rotary = config.positional == "rotary"
+        self.rotary_dims = config.rotary_dims if self.rotary else 0
+        self.rotary_base = config.rotary_base if rotary_base is None else rotary_base
         self.has_rel_bias = config.relative_bias == "per_layer"
         if self.has_rel_bias:
             self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
@@ -105,6 +140,8 @@ class MultiHeadAttention(nn.Module):
         q = q.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.d_head).transpose(1, 2)  # (B, nh, T, hs)
+        if self.rotary:
+            q, k = self._rotate(q, k, T)
         weights: Optional[Tensor] = None
         if self.has_rel_bias:
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
@@ -146,6 +183,29 @@ class MultiHeadAttention(nn.Module):
         return self.proj(y), weights
 
 
+    def _rotate(self, q: Tensor, k: Tensor, T: int) -> Tuple[Tensor, Tensor]:
+        """Rotary positions on q and k (B, nh, T, hs): their first rotary_dims dims, position t of every row.
+
+        cos and sin are computed here, in fp32, as Hugging Face's rotary embeddings compute them each call (a
+        table buffer would be cast with the module: a bf16 cos alone is off by up to 0.4%); the rotation runs in
+        fp32 too. Costs T * rotary_dims cos and sin per layer, next to the layer's T * d_model * d_model work."""
+        r = self.rotary_dims
+        exponents = torch.arange(0, r, 2, dtype=torch.int64, device=q.device).float() / r
+        inv_freq = 1.0 / torch.pow(self.rotary_base, exponents)  # (r/2,)
+        freqs = torch.arange(T, dtype=torch.int64, device=q.device).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, r): the r/2 frequencies twice ("rotate half" layout)
+        return self._rotate_one(q, emb.cos(), emb.sin()), self._rotate_one(k, emb.cos(), emb.sin())
+
+    def _rotate_one(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        r = self.rotary_dims
+        xr = x[..., :r].float()
+        half = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), dim=-1)  # rotate_half
+        out = (xr * cos + half * sin).to(x.dtype)
+        if r == self.d_head:
+            return out
+        return torch.cat((out, x[..., r:]), dim=-1)
+
+
 def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
     """(B, 2) fp32 per sequence: the largest |score| and the mean normalised entropy of one layer.
 
@@ -155,7 +215,7 @@ def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
     fewer than 2 allowed keys (a length-1 sequence, a causal first query) have no spread to measure and
     are left out; a sequence with no row left gets NaN entropy.
     """
-    keys = mask[:, 0, -1, :]  # (B, T): the key mask (the causal triangle's last row is all keys)
+    keys = mask.any(dim=2)[:, 0, :]  # (B, T): the key mask (keys some query may attend: causal, local or not)
     allowed = mask & keys[:, None, :, None]  # (B, 1, T, T): real queries over their allowed keys
     top = scores.abs().masked_fill(~allowed, 0.0).amax(dim=(1, 2, 3))  # (B,)
     n = allowed.sum(dim=-1).float()  # (B, 1, T): allowed keys per query
@@ -167,41 +227,67 @@ def attention_stats(scores: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
 
 
 class FeedForward(nn.Module):
-    """Position-wise MLP: fc2(act(fc1(x))), the linear1/linear2 of nn.TransformerEncoderLayer."""
+    """Position-wise MLP: fc2(act(fc1(x))), the linear1/linear2 of nn.TransformerEncoderLayer; gated
+    (config.ffn_gated): fc1 gives 2 * d_ff and fc2(act(first half) * second half) (GeGLU, SwiGLU)."""
 
     use_gelu: Final[bool]
+    use_gelu_tanh: Final[bool]
+    use_silu: Final[bool]
+    gated: Final[bool]
+    d_ff: Final[int]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.use_gelu = config.activation == "gelu"
-        self.fc1 = nn.Linear(config.d_model, config.d_ff)
-        self.fc2 = nn.Linear(config.d_ff, config.d_model)
+        self.use_gelu_tanh = config.activation == "gelu_tanh"
+        self.use_silu = config.activation == "silu"
+        self.gated = config.ffn_gated
+        self.d_ff = config.d_ff
+        self.fc1 = nn.Linear(config.d_model, config.d_ff * (2 if config.ffn_gated else 1), bias=config.linear_bias)
+        self.fc2 = nn.Linear(config.d_ff, config.d_model, bias=config.linear_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.fc1(x)
-        # Exact (erf) GELU, as nn.TransformerEncoderLayer(activation="gelu"); not the tanh approximation.
-        h = F.gelu(h) if self.use_gelu else F.relu(h)
-        return self.fc2(h)
+        if self.gated:
+            return self.fc2(self._act(h[..., : self.d_ff]) * h[..., self.d_ff:])
+        return self.fc2(self._act(h))
+
+    def _act(self, h: Tensor) -> Tensor:
+        # Exact (erf) GELU, as nn.TransformerEncoderLayer(activation="gelu"); gelu_tanh the tanh approximation.
+        if self.use_gelu:
+            return F.gelu(h)
+        if self.use_gelu_tanh:
+            return F.gelu(h, approximate="tanh")
+        if self.use_silu:
+            return F.silu(h)
+        return F.relu(h)
 
 
 class EncoderBlock(nn.Module):
-    """Attention then feed-forward, each in a residual; LayerNorm before (pre-LN) or after (post-LN)."""
+    """Attention then feed-forward, each in a residual; LayerNorm before (pre-LN) or after (post-LN).
+    A local block (config.is_local(index)) attends through the local mask it is given."""
 
     norm_first: Final[bool]
+    local: Final[bool]
 
-    def __init__(self, config: EncoderConfig) -> None:
+    def __init__(self, config: EncoderConfig, index: int = 0) -> None:
         super().__init__()
         self.norm_first = config.norm_first
-        self.ln1 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.attn = MultiHeadAttention(config)
-        self.ln2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.local = config.is_local(index)
+        self.ln1 = nn.Identity() if index == 0 and not config.first_attn_norm else make_norm(config)
+        local_base = config.local_rotary_base if self.local else None
+        self.attn = MultiHeadAttention(config, local_base)
+        self.ln2 = make_norm(config)
         self.ff = FeedForward(config)
 
     def forward(
         self, x: Tensor, mask: Tensor, need_weights: bool, unpadded: bool = False,
         packed: Optional[Tuple[Tensor, Tensor]] = None, bias: Optional[Tensor] = None,
-        diagnose: bool = False,
+        diagnose: bool = False, local_mask: Optional[Tensor] = None,
     ) -> Tuple[Tensor, Optional[Tensor]]:
+        if self.local:  # keys beyond the radius are masked: never the unmasked fast path
+            assert local_mask is not None
+            mask, unpadded = local_mask, False
         if self.norm_first:
             a, w = self.attn(self.ln1(x), mask, need_weights, unpadded, packed, bias, diagnose)
             x = x + a
@@ -248,6 +334,22 @@ def sinusoidal_table(n_positions: int, d_model: int) -> Tensor:
     return table.float()
 
 
+def relative_buckets(n_positions: int, n_buckets: int, max_distance: int) -> Tensor:
+    """(n_positions, n_positions) int64: the bucket of key j - query i, bidirectional, as MPNet's (and T5's)
+    relative_position_bucket computes it: half the buckets per direction, the first half of those exact
+    distances, the rest logarithmic up to max_distance (fp32 log, as Hugging Face computes it)."""
+    pos = torch.arange(n_positions, dtype=torch.long)
+    n = -(pos[None, :] - pos[:, None])  # i - j
+    half = n_buckets // 2
+    ret = (n < 0).to(torch.long) * half
+    n = torch.abs(n)
+    max_exact = half // 2
+    large = max_exact + (torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
+                         * (half - max_exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, half - 1))
+    return ret + torch.where(n < max_exact, n, large)
+
+
 def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
     # Uniform with the given std, drawn as integers and scaled in fp64: torch's float samplers have
     # vectorised kernels whose last bit may differ between CPUs; integer draws and exact scaling do not.
@@ -268,32 +370,47 @@ class Encoder(nn.Module):
     has_positions: Final[bool]
     pack_min_padding: Final[float]
     has_rel_bias: Final[bool]
+    position_offset: Final[int]
+    bucketed: Final[bool]
+    local_radius: Final[int]
+    global_every: Final[int]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config
+        self.position_offset = config.position_offset
         self.d_model = config.d_model
         self.n_layers = config.n_layers
         self.max_length = config.max_length
-        self.has_positions = config.positional != "none"
+        self.has_positions = config.positional in ("learned", "sinusoidal")  # a table added to the input
         self.pack_min_padding = PACK_MIN_PADDING
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         if config.positional == "learned":
-            self.pos_emb = nn.Parameter(torch.zeros(config.max_length, config.d_model))
+            self.pos_emb = nn.Parameter(torch.zeros(config.position_rows, config.d_model))
         else:
             # Derived from the config, so not in the state_dict (nor in the weights checksum);
-            # TorchScript still saves it with the module. "none" keeps an empty table for the type.
-            table = sinusoidal_table(config.max_length, config.d_model)
+            # TorchScript still saves it with the module. "none" and "rotary" keep an empty table for the type.
+            table = sinusoidal_table(config.position_rows, config.d_model)
             self.register_buffer("pos_emb", table if self.has_positions else table[:0], persistent=False)
         # BERT's LayerNorm over word + position (+ token type) embeddings; also over given embeddings.
-        self.ln_emb = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.embedding_norm else nn.Identity()
-        self.blocks = nn.ModuleList([EncoderBlock(config) for _ in range(config.n_layers)])
-        self.ln_f = LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.final_norm else nn.Identity()
+        self.ln_emb = make_norm(config) if config.embedding_norm else nn.Identity()
+        self.blocks = nn.ModuleList([EncoderBlock(config, i) for i in range(config.n_layers)])
+        self.local_radius = config.local_radius
+        self.global_every = config.global_every
+        self.ln_f = make_norm(config) if config.final_norm else nn.Identity()
         self.has_rel_bias = config.relative_bias == "shared"  # per_layer tables live in each attention
         if self.has_rel_bias:
             self.rel_bias = nn.Parameter(torch.zeros(config.n_heads, config.max_length, config.max_length))
         else:
             self.register_buffer("rel_bias", torch.zeros(0), persistent=False)
+        self.bucketed = config.relative_bias == "bucketed"
+        if self.bucketed:  # the learned (buckets, nh) table; the bucket of each (i, j) derived (not saved)
+            self.rel_buckets = nn.Parameter(torch.zeros(config.relative_buckets, config.n_heads))
+            index = relative_buckets(config.max_length, config.relative_buckets, config.relative_max_distance)
+        else:
+            self.register_buffer("rel_buckets", torch.zeros(0), persistent=False)
+            index = torch.zeros(0, 0, dtype=torch.long)
+        self.register_buffer("bucket_index", index, persistent=False)
 
     def init_weights(self, seed: int) -> "Encoder":
         """Re-initialise deterministically: same seed -> same bits on any machine and torch version.
@@ -382,7 +499,8 @@ class Encoder(nn.Module):
                 )
             previous = layer
         if self.has_positions:
-            x = x + self.pos_emb[:T]  # (B, T, C) + (T, C)
+            # Position t reads row position_offset + t (a constant: the same one slice when it is 0).
+            x = x + self.pos_emb[self.position_offset:self.position_offset + T]  # (B, T, C) + (T, C)
         x = self.ln_emb(x)
         # Host lengths only: a device tensor would be read by waiting for the device (no pipelining).
         # -1 for device lengths: neither unpadded nor packed.
@@ -402,9 +520,14 @@ class Encoder(nn.Module):
         bias: Optional[Tensor] = None
         if self.has_rel_bias:
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
+        if self.bucketed:
+            bias = F.embedding(self.bucket_index[:T, :T], self.rel_buckets).permute(2, 0, 1)  # (nh, T, T)
+        local_mask: Optional[Tensor] = None
+        if self.local_radius > 0:  # (B, 1, T, T): the mask within local_radius either side
+            local_mask = mask & ((positions[None, :] - positions[:, None]).abs() <= self.local_radius)
         weights: List[Tensor] = []
         for i, block in enumerate(self.blocks):
-            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias, diagnose)
+            x, w = block(x, mask, i in attn_layers, unpadded, packed, bias, diagnose, local_mask)
             if w is not None:
                 weights.append(w)
         x = self.ln_f(x)

@@ -1,4 +1,17 @@
-"""Hugging Face BERT-family checkpoints -> EncoderConfig, key map and text settings (`convert-hf`).
+"""Hugging Face checkpoints -> EncoderConfig, key map and text settings (`convert-hf`).
+
+config.json's `model_type` picks the family (FAMILIES): how its config reads as an EncoderConfig, the key map
+in model/keymaps/ its weights go through, and the prefixes its base model may sit under. Each is checked
+against the transformers model itself (tests/model/test_model_families.py):
+  bert         hf_bert        post-LN, learned positions, token type 0 folded into the word table
+  roberta,     hf_roberta     BERT's layout; positions from row pad_token_id + 1 on (position_offset), as
+  xlm-roberta                 Hugging Face numbers a sequence with no pad id inside (a pad id typed inside a
+                              text is numbered otherwise by Hugging Face)
+  mpnet        hf_mpnet       RoBERTa's positions plus relative_bias="bucketed" (T5-style, shared by layers)
+  distilbert   hf_distilbert  BERT without token types, other names
+  modernbert   hf_modernbert  pre-LN, rotary (global / local bases), GeGLU, norms without bias, local
+                              sliding-window layers between every global_attn_every_n_layers-th
+XLM-R's SentencePiece/Unigram tokenizer.json runs through the same `tokenizers` text path as BERT's WordPiece.
 
 Reads a local model folder (never a hub): `config.json`, `model.safetensors` (or `pytorch_model.bin`,
 loaded with weights_only=True), `tokenizer.json`, and the sentence-transformers files when present
@@ -21,8 +34,10 @@ model's prefix (a task head under `cls.`, `classifier.`) are ignored, as `conver
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +53,9 @@ class HFConversionError(ValueError):
     """The Hugging Face folder cannot be converted exactly; the message names the file and key."""
 
 
-# What cannot be reproduced, by model_type, said plainly (RoBERTa-style offset positions would need
-# position ids that skip padding_idx + 1 rows and a pad id that is never a real token in the text).
+# What cannot be reproduced (or is not converted yet), by model_type, said plainly.
 _REFUSED_TYPES = {
-    "roberta": "RoBERTa (position ids offset by padding_idx + 1) is not supported yet",
-    "xlm-roberta": "XLM-RoBERTa (position ids offset by padding_idx + 1) is not supported yet",
     "camembert": "CamemBERT (RoBERTa positions) is not supported yet",
-    "distilbert": "DistilBERT (other key names, no token types) is not supported yet",
     "nomic_bert": "NomicBERT (rotary positions, SwiGLU) cannot be reproduced",
     "new": "the 'new' architecture (rotary positions) cannot be reproduced",
 }
@@ -79,15 +90,25 @@ def read_hf_config(model_dir: str | Path) -> EncoderConfig:
     path = Path(model_dir) / "config.json"
     hf = _read_json(path)
     assert hf is not None
+    family = family_of(hf, path)
+    try:
+        return family.read(hf, _refuser(hf, path))
+    except ValueError as e:
+        if isinstance(e, HFConversionError):
+            raise
+        raise HFConversionError(f"{path}: {e}") from None
 
+
+def _refuser(hf: Mapping[str, Any], path: Path) -> Callable[[str, str], HFConversionError]:
     def refuse(key: str, why: str) -> HFConversionError:
         return HFConversionError(f"{path}: {key}={hf.get(key)!r}: {why}")
 
-    model_type = hf.get("model_type")
-    if model_type in _REFUSED_TYPES:
-        raise refuse("model_type", _REFUSED_TYPES[model_type])
-    if model_type != "bert":
-        raise refuse("model_type", "only 'bert' is supported")
+    return refuse
+
+
+def _bert_like(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError],
+               position_offset: int = 0) -> EncoderConfig:
+    """BERT's layout (and RoBERTa's, whose positions start at position_offset)."""
     act = hf.get("hidden_act", "gelu")
     if act not in _ACTIVATIONS:
         raise refuse("hidden_act", f"only {sorted(_ACTIVATIONS)} can be reproduced exactly "
@@ -105,15 +126,147 @@ def read_hf_config(model_dir: str | Path) -> EncoderConfig:
     type_vocab = hf.get("type_vocab_size", 2)
     if not isinstance(type_vocab, int) or type_vocab < 1:
         raise refuse("type_vocab_size", "must be an int >= 1 (row 0 is folded into the word embeddings)")
-    try:
-        return EncoderConfig(
-            d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
-            d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], max_length=hf["max_position_embeddings"],
-            positional="learned", norm_first=False, activation=_ACTIVATIONS[act],
-            layer_norm_eps=hf.get("layer_norm_eps", 1e-12), final_norm=False, embedding_norm=True,
-        )
-    except ValueError as e:
-        raise HFConversionError(f"{path}: {e}") from None
+    max_length = hf["max_position_embeddings"] - position_offset
+    if max_length < 1:
+        raise refuse("max_position_embeddings", f"leaves no position past the offset {position_offset} "
+                     "(pad_token_id + 1)")
+    return EncoderConfig(
+        d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
+        d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"], max_length=max_length,
+        positional="learned", norm_first=False, activation=_ACTIVATIONS[act],
+        layer_norm_eps=hf.get("layer_norm_eps", 1e-12), final_norm=False, embedding_norm=True,
+        position_offset=position_offset,
+    )
+
+
+def _pad_offset(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> int:
+    """RoBERTa's position numbering: a sequence without padding ids reads rows pad_token_id + 1, + 2, ..."""
+    pad = hf.get("pad_token_id")
+    if isinstance(pad, bool) or not isinstance(pad, int) or pad < 0:
+        raise refuse("pad_token_id", "must be an int >= 0 (positions start at pad_token_id + 1)")
+    return pad + 1
+
+
+def _read_bert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    return _bert_like(hf, refuse)
+
+
+def _read_roberta(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    return _bert_like(hf, refuse, _pad_offset(hf, refuse))
+
+
+def _read_mpnet(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    # MPNetEmbeddings numbers positions from its padding_idx, fixed at 1 whatever pad_token_id says; and its
+    # relative_position_bucket is called with 32 buckets and max_distance 128 whatever the table's size.
+    if hf.get("relative_attention_num_buckets", 32) != 32:
+        raise refuse("relative_attention_num_buckets", "MPNetModel buckets relative positions into 32 whatever "
+                     "this says; only 32 is reproduced")
+    config = _bert_like(hf, refuse, position_offset=2)
+    return dataclasses.replace(config, relative_bias="bucketed", relative_buckets=32, relative_max_distance=128)
+
+
+def _read_distilbert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    # DistilBERT's names for BERT's fields; its LayerNorms' eps is fixed at 1e-12 in the model code.
+    names = {"dim": "hidden_size", "n_heads": "num_attention_heads", "n_layers": "num_hidden_layers",
+             "hidden_dim": "intermediate_size", "activation": "hidden_act"}
+    renamed = {**hf, **{bert: hf[ours] for ours, bert in names.items() if ours in hf}}
+
+    def refuse_named(key: str, why: str) -> HFConversionError:
+        source = next((d for d, b in names.items() if b == key), key)
+        return refuse(source, why)
+
+    return dataclasses.replace(_bert_like(renamed, refuse_named), layer_norm_eps=1e-12)
+
+
+_MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu",
+                           "relu": "relu"}
+
+
+def _read_modernbert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    """ModernBERT: rotary (global and local bases), GeGLU, local sliding-window layers between global ones."""
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+                "max_position_embeddings", "local_attention"):
+        if isinstance(hf.get(key), bool) or not isinstance(hf.get(key), int):
+            raise refuse(key, "must be an int")
+    act = hf.get("hidden_activation", "gelu")
+    if act not in _MODERNBERT_ACTIVATIONS:
+        raise refuse("hidden_activation", f"only {sorted(_MODERNBERT_ACTIVATIONS)} can be reproduced exactly")
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+        raise refuse("head_dim", "only hidden_size / num_attention_heads is supported")
+    if hf.get("is_causal") or hf.get("causal_mask"):
+        raise refuse("is_causal" if hf.get("is_causal") else "causal_mask", "a decoder is not an encoder")
+    n = hf["num_hidden_layers"]
+    every = hf.get("global_attn_every_n_layers", 3)
+    types = hf.get("layer_types")
+    if types is not None:  # transformers 5 writes the pattern out; it must be global every n-th layer
+        if not isinstance(types, list) or len(types) != n or types[0] != "full_attention":
+            raise refuse("layer_types", "must list num_hidden_layers layers, the first 'full_attention'")
+        fulls = [i for i, t in enumerate(types) if t == "full_attention"]
+        every = fulls[1] if len(fulls) > 1 else n
+        if types != ["full_attention" if i % every == 0 else "sliding_attention" for i in range(n)]:
+            raise refuse("layer_types", "only global attention every n-th layer (from 0), local between, is "
+                         "supported")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise refuse("global_attn_every_n_layers", "must be an int >= 1")
+    rope = hf.get("rope_parameters")
+    if rope is not None:
+        if not isinstance(rope, dict) or not all(isinstance(rope.get(k), dict) for k in (
+                "full_attention", "sliding_attention")):
+            raise refuse("rope_parameters", "must hold full_attention and sliding_attention settings")
+        for kind in ("full_attention", "sliding_attention"):
+            if rope[kind].get("rope_type", "default") != "default" or rope[kind].get("partial_rotary_factor", 1.0) != 1:
+                raise refuse("rope_parameters", f"{kind}: only the default rope_type over the whole head is "
+                             "supported")
+        global_base, local_base = rope["full_attention"].get("rope_theta"), rope["sliding_attention"].get("rope_theta")
+    else:  # the files before transformers 5
+        if hf.get("rope_scaling"):
+            raise refuse("rope_scaling", "scaled rotary positions are not supported")
+        global_base, local_base = hf.get("global_rope_theta", 160000.0), hf.get("local_rope_theta", 10000.0)
+    if local_base is None:
+        local_base = global_base
+    attention_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    return EncoderConfig(
+        d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"], n_layers=n, d_ff=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], max_length=hf["max_position_embeddings"], positional="rotary",
+        rotary_base=global_base, local_rotary_base=local_base, norm_first=True, first_attn_norm=False,
+        activation=_MODERNBERT_ACTIVATIONS[act], layer_norm_eps=hf.get("norm_eps", 1e-5),
+        norm_bias=bool(hf.get("norm_bias", False)), embedding_norm=True, final_norm=True, ffn_gated=True,
+        # One flag for every projection: a checkpoint with biases in only some has zeros in the others.
+        linear_bias=bool(attention_bias or mlp_bias),
+        local_radius=hf["local_attention"] // 2 if every > 1 else 0, global_every=every,
+    )
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model_type: how its config.json reads as an EncoderConfig, the key map of its weights, and the
+    prefixes its base model may sit under (a *For* task checkpoint's)."""
+
+    model_type: str
+    read: Callable[[Mapping[str, Any], Callable[[str, str], HFConversionError]], EncoderConfig]
+    keymap: str
+    prefixes: tuple[str, ...]
+    anchor: str = _ANCHOR  # a key every checkpoint of the family has (found under one of the prefixes)
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("bert", _read_bert, BERT_KEYMAP, ("", "bert.")),
+    Family("roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
+    Family("xlm-roberta", _read_roberta, "hf_roberta", ("", "roberta.")),
+    Family("mpnet", _read_mpnet, "hf_mpnet", ("", "mpnet.")),
+    Family("distilbert", _read_distilbert, "hf_distilbert", ("", "distilbert.")),
+    Family("modernbert", _read_modernbert, "hf_modernbert", ("", "model."), "embeddings.tok_embeddings.weight"),
+)}
+
+
+def family_of(hf: Mapping[str, Any], path: Path) -> Family:
+    """The Family of a config.json's model_type, or an HFConversionError naming it."""
+    model_type = hf.get("model_type")
+    if isinstance(model_type, str) and model_type in FAMILIES:
+        return FAMILIES[model_type]
+    why = _REFUSED_TYPES.get(model_type, f"only {sorted(FAMILIES)} are supported") if isinstance(
+        model_type, str) else f"only {sorted(FAMILIES)} are supported"
+    raise HFConversionError(f"{path}: model_type={model_type!r}: {why}")
 
 
 def load_hf_weights(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
@@ -142,10 +295,19 @@ def load_hf_weights(model_dir: str | Path) -> tuple[dict[str, torch.Tensor], Pat
 def convert_bert(state_dict: Mapping[str, torch.Tensor], config: EncoderConfig, source: str) -> Encoder:
     """Build an fp32 Encoder(config) from a BERT state_dict through the hf_bert key map; every problem names
     `source` and the key. A BertFor* checkpoint's base model is under 'bert.'; its head is left out."""
-    prefixes = [p for p in ("", "bert.") if p + _ANCHOR in state_dict]
+    return convert_family(FAMILIES["bert"], state_dict, config, source)
+
+
+def convert_family(family: Family, state_dict: Mapping[str, torch.Tensor], config: EncoderConfig,
+                   source: str) -> Encoder:
+    """Build an fp32 Encoder(config) from a checkpoint of `family` through its key map, the base model found
+    under one of the family's prefixes; every problem names `source` and the key."""
+    prefixes = [p for p in family.prefixes if p + family.anchor in state_dict]
     if not prefixes:
-        raise HFConversionError(f"{source}: no key {_ANCHOR!r} (nor 'bert.{_ANCHOR}'): not a BERT checkpoint")
-    keymap = KeyMap.builtin(BERT_KEYMAP).with_vars(p=prefixes[0])
+        others = " nor ".join(repr(p + family.anchor) for p in family.prefixes[1:])
+        raise HFConversionError(f"{source}: no key {family.anchor!r}{f' (nor {others})' if others else ''}: "
+                                f"not a {family.model_type} checkpoint")
+    keymap = KeyMap.builtin(family.keymap).with_vars(p=prefixes[0])
     try:
         return convert(state_dict, config, keymap)
     except ConversionError as e:
@@ -254,9 +416,13 @@ def _read_json_list(path: Path) -> list[Any] | None:
 
 
 def convert_hf(model_dir: str | Path) -> tuple[Encoder, bytes, TextSettings, str]:
-    """(encoder, tokenizer.json bytes, text settings, source) for a local Hugging Face BERT folder."""
+    """(encoder, tokenizer.json bytes, text settings, source) for a local Hugging Face folder of one of FAMILIES
+    (config.json's model_type picks the family)."""
     config = read_hf_config(model_dir)
+    hf = _read_json(Path(model_dir) / "config.json")
+    assert hf is not None
+    family = family_of(hf, Path(model_dir) / "config.json")
     state_dict, weights_path = load_hf_weights(model_dir)
-    encoder = convert_bert(state_dict, config, str(weights_path))
+    encoder = convert_family(family, state_dict, config, str(weights_path))
     data, settings = read_text_settings(model_dir, config)
     return encoder, data, settings, f"hf:{Path(model_dir).resolve().name}/{weights_path.name}"

@@ -163,8 +163,8 @@ def _edit_json(path: Path, **changes: object) -> None:
 @pytest.mark.parametrize(("file", "change", "named"), [
     ("config.json", {"hidden_act": "gelu_new"}, "hidden_act='gelu_new'"),
     ("config.json", {"position_embedding_type": "relative_key"}, "position_embedding_type='relative_key'"),
-    ("config.json", {"model_type": "roberta"}, "model_type='roberta': RoBERTa"),
-    ("config.json", {"model_type": "xlm-roberta"}, "model_type='xlm-roberta'"),
+    ("config.json", {"model_type": "camembert"}, "model_type='camembert': CamemBERT"),
+    ("config.json", {"model_type": "nomic_bert"}, "model_type='nomic_bert'"),
     ("config.json", {"model_type": "gpt2"}, "model_type='gpt2'"),
     ("config.json", {"is_decoder": True}, "is_decoder=True"),
     ("1_Pooling/config.json", {"pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True},
