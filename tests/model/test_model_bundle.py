@@ -208,7 +208,7 @@ def test_default_bundle_is_one_file_in_every_process(tmp_path: Path) -> None:
     built = []
     for hash_seed in ("1", "2"):
         result = subprocess.run([sys.executable, "-m", "model", "default", "--out", str(tmp_path / hash_seed)],
-                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
                                 env={**os.environ, "PYTHONHASHSEED": hash_seed})
         assert result.returncode == 0, result.stderr
         built.append(json.loads(result.stdout)["sha256"])
