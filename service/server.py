@@ -151,6 +151,7 @@ class Server:
         Returns within about `drain_delay_s + grace + 0.5 s`, whatever the model is doing.
         """
         grace = self.config.drain_grace_s if grace is None else grace
+        self.serving.stopping = True
         await self.health.enter_graceful_shutdown()  # readiness NOT_SERVING, liveness too
         self.metrics.ready.set(0)
         if grace > 0 and self.config.drain_delay_s > 0:

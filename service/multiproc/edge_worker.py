@@ -41,8 +41,8 @@ async def run(directory: Path) -> int:
     config = ServiceConfig(**json.loads((directory / CONFIG).read_text()))
     registry = CollectorRegistry()
     metrics = Metrics(registry)  # prometheus_client's multiprocess mode: the model process sums every process
-    metrics.view = CollectorRegistry()  # read back (KServe statistics, readiness): every process's, summed
-    multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
+    metrics.shared = CollectorRegistry()  # KServe statistics: every process's counts, summed (Metrics.counts)
+    multiprocess.MultiProcessCollector(metrics.shared, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
     serving = Serving()
     health_servicer = health.aio.HealthServicer()
     limit = frames.max_frame(config.max_message_bytes)
@@ -78,6 +78,7 @@ async def run(directory: Path) -> int:
              f"{front.tokens} bearer tokens" if front.tokens else "no token auth", os.getpid())
 
     async def stop(grace: float) -> None:
+        serving.stopping = True
         await health_servicer.enter_graceful_shutdown()
         metrics.ready.set(0)
         if grace > 0 and config.drain_delay_s > 0:
