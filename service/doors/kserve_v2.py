@@ -87,17 +87,19 @@ class InputTensor:
     name: str
     datatype: str  # v2's (INT32 is taken too for the id tensors)
     config_type: int  # model_config's
-    dims: tuple[int, ...]  # after the batch dim; () is [batch]
+    dims: tuple[int, ...]  # after the batch dim
     optional: bool
 
 
 def model_inputs(text_model: bool) -> list[InputTensor]:
     """Every input the door takes (`_inputs` decodes them): for a text model `text` too, and then either
-    `text` or `input_ids` is given, so neither is required. The embeddings input of attention.v1 has no
-    KServe tensor. One list for ModelMetadata, ModelConfig and the unknown-input error."""
+    `text` or `input_ids` is given, so neither is required. `text` is one string per row, [batch, 1] as
+    Triton writes it (what perf_analyzer sends for a data file's one-string lists; [batch] is taken too).
+    The embeddings input of attention.v1 has no KServe tensor. One list for ModelMetadata, ModelConfig
+    and the unknown-input error."""
     ids = [InputTensor(name, "INT64", mc.TYPE_INT64, (-1,), optional=name != IDS or text_model)
            for name in (IDS, MASK, TYPES)]
-    return ids + ([InputTensor(TEXT, "BYTES", mc.TYPE_STRING, (), optional=True)] if text_model else [])
+    return ids + ([InputTensor(TEXT, "BYTES", mc.TYPE_STRING, (1,), optional=True)] if text_model else [])
 
 
 def known_inputs() -> str:
@@ -241,12 +243,8 @@ class KServeServicer:
     def _model_config(self, request: Any) -> Any:
         spec = self._served(request.name, request.version)
         c = self._config
-        inputs = []
-        for i in model_inputs(spec.tokenizer is not None):
-            tensor = mc.ModelInput(name=i.name, data_type=i.config_type, dims=i.dims or [1], optional=i.optional)
-            if not i.dims:  # [batch]: Triton's spelling is dims [1] with reshape [] ([batch, 1] is taken too)
-                tensor.reshape.SetInParent()
-            inputs.append(tensor)
+        inputs = [mc.ModelInput(name=i.name, data_type=i.config_type, dims=i.dims, optional=i.optional)
+                  for i in model_inputs(spec.tokenizer is not None)]
         group = mc.ModelInstanceGroup
         kind = group.KIND_GPU if spec.device.startswith("cuda") else group.KIND_CPU
         described: dict[str, object] = {

@@ -53,13 +53,13 @@ async def test_a_text_models_metadata_and_config_list_every_input_and_the_limit_
         config = (await client.get_model_config(TEXT_MODEL)).config
         described = {t.name: (t.datatype, list(t.shape)) for t in meta.inputs}
         assert described == {"input_ids": ("INT64", [-1, -1]), "attention_mask": ("INT64", [-1, -1]),
-                             "token_type_ids": ("INT64", [-1, -1]), "text": ("BYTES", [-1])}
-        # Either text or input_ids: neither is required on its own. `text` is one string per row, written
-        # the way Triton writes it (dims [1], reshape []: [batch, 1] and [batch] are both taken).
-        assert [(i.name, i.data_type, list(i.dims), i.optional, i.HasField("reshape")) for i in config.input] == [
-            ("input_ids", mc.TYPE_INT64, [-1], True, False), ("attention_mask", mc.TYPE_INT64, [-1], True, False),
-            ("token_type_ids", mc.TYPE_INT64, [-1], True, False), ("text", mc.TYPE_STRING, [1], True, True)]
-        assert list(config.input[3].reshape.shape) == []
+                             "token_type_ids": ("INT64", [-1, -1]), "text": ("BYTES", [-1, 1])}
+        # Either text or input_ids: neither is required on its own. `text` is one string per row, [batch, 1]
+        # as Triton writes it ([batch] is taken too). The metadata is the config with the batch dim.
+        assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
+            ("input_ids", mc.TYPE_INT64, [-1], True), ("attention_mask", mc.TYPE_INT64, [-1], True),
+            ("token_type_ids", mc.TYPE_INT64, [-1], True), ("text", mc.TYPE_STRING, [1], True)]
+        assert {(i.name, (-1, *i.dims)) for i in config.input} == {(t.name, tuple(t.shape)) for t in meta.inputs}
         params = {k: v.string_value for k, v in config.parameters.items()}
         assert (params["max_length"], params["text_max_tokens"]) == ("16", "8")
         assert (params["text_pooling"], params["text_normalize"], params["text_prompts"]) == ("mean", "True",

@@ -1,6 +1,7 @@
 """perf_analyzer 2.60.0 against the KServe v2 gRPC door of a real server process: it discovers the
-model from the metadata, measures, reads the server-side statistics at the end (where it used to abort
-on unequal compute counts), and writes its CSV. Skipped, saying why, where the tool cannot be prepared."""
+model from the metadata (ids, or a text model's `text`), measures a fixed number of calls, reads the
+server-side statistics at the end (where it used to abort on unequal compute counts), and writes its
+CSV. Skipped, saying why, where the tool cannot be prepared."""
 
 from __future__ import annotations
 
@@ -48,3 +49,18 @@ def test_perf_analyzer_measures_the_kserve_door_and_writes_its_csv(tool: Path, t
     assert stats.inference_stats.fail.count == 0
     # The server-side columns come from ModelStatistics: queue and compute per request, input/output 0.
     assert row["Server Compute Infer"] > 0 and row["Server Compute Input"] == row["Server Compute Output"] == 0
+
+
+def test_perf_analyzer_finds_a_text_models_text_input_from_the_metadata(tool: Path, tiny_text_bundle: Path,
+                                                                       tmp_path: Path):
+    server = ServerProcess(tiny_text_bundle, "--no-allow-attention", directory=tmp_path / "server")
+    try:
+        data = perf_analyzer.text_data(tmp_path / "text.json", ["a cat", "the cats .", "b c"])
+        result = perf_analyzer.run(tool, "tiny-bert", server.target, data, tmp_path / "pa.csv", length=None,
+                                   concurrency=1, requests=30, timeout=180)
+        assert server.sample("attention_requests_total", {"method": "ModelInfer", "code": "OK"}) >= 30
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.output[-3000:]
+    [row] = result.rows
+    assert row["Inferences/Second"] > 0 and result.request_count == 30

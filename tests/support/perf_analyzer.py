@@ -4,8 +4,8 @@ Its wheel needs glibc 2.38; the shared tool script `../shared/tools/perf_analyze
 outside it; read its header) fetches Debian 13's loader and libraries with apt the first time and runs
 the binary through them, passing every argument on. `PERF_ANALYZER` names another script or binary.
 Random data cannot drive this model (perf_analyzer sends random values for every input the metadata
-lists, an attention_mask of random ints included, which is refused), so the ids come from a JSON data
-file that leaves the optional inputs out (the config marks them `optional`).
+lists, an attention_mask of random ints included, which is refused), so the ids (or the texts) come
+from a JSON data file that leaves the optional inputs out (the config marks them `optional`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ def ids_data(path: Path, *, length: int, vocab: int, rows: int = 16, seed: int =
     return path
 
 
+def text_data(path: Path, texts: list[str]) -> Path:
+    """A perf_analyzer data file: one request per text, `text` only (each [1, 1] on the wire)."""
+    path.write_text(json.dumps({"data": [{"text": [text]} for text in texts]}))
+    return path
+
+
 @dataclass
 class Result:
     returncode: int
@@ -75,15 +81,17 @@ class Result:
         return int(counts[-1]) if counts else 0
 
 
-def run(tool: Path, model: str, target: str, data: Path, out: Path, *, length: int, concurrency: int,
+def run(tool: Path, model: str, target: str, data: Path, out: Path, *, length: int | None, concurrency: int,
         requests: int, warmup: int = 0, timeout: float) -> Result:
     """One perf_analyzer measurement over gRPC: `requests` calls in all (after `warmup` unmeasured ones),
     `concurrency` in flight, killed after `timeout` s. A fixed count rather than windows until stable: on
-    this shared machine three windows in a row rarely agree within perf_analyzer's stability bound."""
+    this shared machine three windows in a row rarely agree within perf_analyzer's stability bound.
+    `length`: the ids' (None: a text data file)."""
     out.unlink(missing_ok=True)
+    shape = ["--shape", f"input_ids:{length}"] if length is not None else []
     done = subprocess.run(
-        [str(tool), "-m", model, "-i", "grpc", "-u", target, "--input-data", str(data),
-         "--shape", f"input_ids:{length}", "--concurrency-range", str(concurrency),
+        [str(tool), "-m", model, "-i", "grpc", "-u", target, "--input-data", str(data), *shape,
+         "--concurrency-range", str(concurrency),
          "--request-count", str(requests), "--warmup-request-count", str(warmup), "-f", str(out)],
         capture_output=True, text=True, timeout=timeout)
     rows = []
