@@ -87,6 +87,19 @@ async def test_a_text_models_metadata_and_config_list_every_input_and_the_limit_
         await client.close()
 
 
+async def test_all_minilm_describes_its_text_limit_256_beside_its_positions_512(start_server, minilm_bundle: Path):
+    s = await start_server(bundle=minilm_bundle)
+    client = triton.InferenceServerClient(s.target)  # the sync client, as a script would
+    try:
+        meta = await asyncio.to_thread(client.get_model_metadata, "all-MiniLM-L6-v2")
+        config = (await asyncio.to_thread(client.get_model_config, "all-MiniLM-L6-v2")).config
+    finally:
+        client.close()
+    assert ("text", "BYTES", [-1, 1]) in [(t.name, t.datatype, list(t.shape)) for t in meta.inputs]
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert (params["max_length"], params["text_max_tokens"], params["text_normalize"]) == ("512", "256", "True")
+
+
 async def test_a_model_without_a_tokenizer_lists_no_text_and_requires_input_ids(served, aio_client):
     meta = await aio_client.get_model_metadata("tiny")
     assert [t.name for t in meta.inputs] == ["input_ids", "attention_mask", "token_type_ids"]
@@ -125,6 +138,12 @@ async def test_readiness_and_the_repository_index_follow_the_services_state(star
     try:
         assert await client.is_server_ready() and await client.is_model_ready("tiny")
         assert index_of(await client.get_model_repository_index()) == [("tiny", "1", "READY", "")]
+        sync = triton.InferenceServerClient(s.target)
+        try:
+            assert index_of(await asyncio.to_thread(sync.get_model_repository_index)) == [("tiny", "1", "READY", "")]
+            assert await asyncio.to_thread(sync.is_server_ready)
+        finally:
+            sync.close()
         assert index_of(await stub.RepositoryIndex(v2.RepositoryIndexRequest(ready=True), timeout=10)) == [
             ("tiny", "1", "READY", "")]
         with pytest.raises(grpc.aio.AioRpcError) as other:
