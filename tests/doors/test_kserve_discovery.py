@@ -81,7 +81,7 @@ async def test_a_text_models_metadata_and_config_list_every_input_and_the_limit_
         unknown.set_data_from_numpy(np.ones((1, 3), np.int64))
         error = await refusal(client.infer(TEXT_MODEL, [unknown]))
         assert error.status() == "StatusCode.INVALID_ARGUMENT", error.message()
-        assert error.message().startswith("inputs[0]: unknown input 'pixel_values'; the inputs are ")
+        assert error.message().startswith("inputs[0]: unknown input 'pixel_values'; this model takes ")
         assert all(name in error.message() for name in described), error.message()
     finally:
         await client.close()

@@ -22,10 +22,11 @@ from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import from_tensor, to_tensor
-from service import validation
+from service.doors.attention_v1 import plan_request
 from service.errors import OutputOverflow
 from service.jobs import Output
 from service.output_range import check_representable
+from service.plan import response_bytes
 from tests.support.helpers import ids_request
 from tests.support.reliability_helpers import assert_clean_status, batches
 
@@ -75,7 +76,7 @@ async def test_the_response_size_estimate_bounds_the_real_response_from_above(
     request = REQUESTS[request_index]
     response = await served.stub.Encode(request, timeout=10)
     spec = served.server.serving.spec
-    estimate = validation.response_bytes(validation.validate(request, spec, served.server.config), spec)
+    estimate = response_bytes(plan_request(request, spec, served.server.config), spec).total
     assert response.ByteSize() <= estimate <= response.ByteSize() + 64 * len(request.sequences) + 64
 
 
@@ -148,15 +149,16 @@ def test_the_range_check_refuses_exactly_the_values_the_wire_cast_turns_into_inf
             with np.errstate(over="ignore"), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the cast's own overflow warning
                 sent = from_tensor(to_tensor(array, dtype))
+            name = "float16" if dtype == pb.DTYPE_FLOAT16 else "bfloat16"  # the plan's name for the wire's dtype
             for output in (Output(array, None, None, False), Output(None, array, None, False)):
                 if np.isfinite(sent).all():
-                    check_representable([output], dtype, pb.DTYPE_FLOAT32)
+                    check_representable([output], name, "float32")
                 else:
                     with pytest.raises(OutputOverflow):
-                        check_representable([output], dtype, pb.DTYPE_FLOAT32)
+                        check_representable([output], name, "float32")
             attention = Output(None, None, array.reshape(1, 1, 1, 2), False)
             if np.isfinite(sent).all():
-                check_representable([attention], pb.DTYPE_FLOAT32, dtype)
+                check_representable([attention], "float32", name)
             else:
                 with pytest.raises(OutputOverflow, match="attention.dtype"):
-                    check_representable([attention], pb.DTYPE_FLOAT32, dtype)
+                    check_representable([attention], "float32", name)
