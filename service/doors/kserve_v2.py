@@ -27,7 +27,7 @@ tables):
   "[StatusCode.X] message" and the stream goes on. Load/unload, shared-memory, trace and log RPCs
   are UNIMPLEMENTED.
 
-docs/kserve-metadata-and-statistics.md says what each described field means and how perf_analyzer runs.
+docs/kserve.md says what each described field means and how perf_analyzer runs.
 """
 
 from __future__ import annotations
