@@ -7,7 +7,10 @@ pinned by tests/service/test_metrics.py: a rename is a conscious change (dashboa
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -33,6 +36,8 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 FAILURE_REASONS = (*dict.fromkeys(REASON_OF.values()), "internal")
 DROP_REASONS = ("cancelled", "deadline", "shutting_down")
 METHODS = ("Encode", "EncodeStream")
+# The front doors' inference methods: the calls KServe's ModelStatistics counts (both doors, model-wide).
+INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
 
 
 # With edge processes (service/multiproc/) every process writes its own values and /metrics sums them
@@ -41,14 +46,88 @@ METHODS = ("Encode", "EncodeStream")
 # ready: livemin. One process: no effect.
 
 
+@dataclass(frozen=True)
+class Timing:
+    """A count of events and their summed duration."""
+
+    count: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """The service's own numbers behind KServe's ModelStatistics (service/doors/kserve_v2.py), model-wide:
+    both front doors' inference calls (`INFER_METHODS`), every batch and every forward."""
+
+    sequences: int = 0  # encoded successfully (a chunked row: one per window)
+    batches: int = 0  # run by the batcher
+    success: Timing = Timing()  # calls (a stream: each request) that ended OK, and their durations
+    fail: Timing = Timing()  # ... that ended with any other code
+    queue: Timing = Timing()  # per sequence: its wait before its batch ran
+    compute: Timing = Timing()  # per forward (warm-up's included): the model's time
+    last_inference_ms: int = 0  # wall clock, ms since the epoch, of the last successful computation; 0: none
+
+
+class ModelStats:
+    """`ModelCounts`, kept up to date by the same events that update the Prometheus metrics (`Metrics`
+    forwards them here), so that the service reads its own numbers rather than its samples back.
+    Events come from the event loop and from the model threads: one lock, plain ints and floats."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sequences = self._batches = self._last_ms = 0
+        # [count, seconds] each
+        self._success: list[float] = [0, 0.0]
+        self._fail: list[float] = [0, 0.0]
+        self._queue: list[float] = [0, 0.0]
+        self._compute: list[float] = [0, 0.0]
+
+    def on_call(self, ok: bool, seconds: float) -> None:
+        into = self._success if ok else self._fail
+        with self._lock:
+            into[0] += 1
+            into[1] += seconds
+
+    def on_sequences(self, count: int) -> None:
+        now_ms = int(time.time() * 1e3)
+        with self._lock:
+            self._sequences += count
+            self._last_ms = now_ms
+
+    def on_batch(self, queue_s: Sequence[float]) -> None:
+        waited = sum(queue_s)
+        with self._lock:
+            self._batches += 1
+            self._queue[0] += len(queue_s)
+            self._queue[1] += waited
+
+    def on_forward(self, seconds: float) -> None:
+        with self._lock:
+            self._compute[0] += 1
+            self._compute[1] += seconds
+
+    def counts(self) -> ModelCounts:
+        with self._lock:
+            return ModelCounts(
+                sequences=self._sequences, batches=self._batches, success=_timing(self._success),
+                fail=_timing(self._fail), queue=_timing(self._queue), compute=_timing(self._compute),
+                last_inference_ms=self._last_ms)
+
+
+def _timing(pair: list[float]) -> Timing:
+    return Timing(int(pair[0]), pair[1])
+
+
 class Metrics:
-    """Every metric of the service. Implements the batcher's and the runner's observer protocols."""
+    """Every metric of the service. Implements the batcher's and the runner's observer protocols, and
+    keeps the service's own counts (`stats`) from the same events."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        # Where the service's own numbers are read back (KServe statistics and readiness): this registry,
-        # or, in an edge process, every process's summed (service/multiproc/edge_worker.py sets it).
-        self.view = registry
+        self.stats = ModelStats()
+        # Edge processes only (service/multiproc/edge_worker.py sets it): every process's metrics, summed
+        # (prometheus_client's multiprocess mode), the one place an edge finds the model process's batches.
+        self.shared: CollectorRegistry | None = None
         r = registry
         self.request_duration = Histogram(
             "attention_request_duration_seconds", "Call latency, end to end in the server (a stream: per request)",
@@ -154,6 +233,19 @@ class Metrics:
                 self.requests.labels(method, code), self.request_duration.labels(method, code))
         children[0].inc()
         children[1].observe(seconds)
+        if method in INFER_METHODS:
+            self.stats.on_call(code == "OK", seconds)
+
+    def on_sequences(self, count: int) -> None:
+        """A call's sequences came back from the model (service/doors/calls.py `Calls.compute`)."""
+        self.sequences.inc(count)
+        self.stats.on_sequences(count)
+
+    def counts(self) -> ModelCounts:
+        """The model-wide counts KServe's ModelStatistics reports: this process's own; in an edge process,
+        every process's summed (`summed_counts`), since the batches and forwards are the model process's."""
+        own = self.stats.counts()
+        return own if self.shared is None else summed_counts(self.shared, own.last_inference_ms)
 
     # -- BatchObserver ---------------------------------------------------------------------------
 
@@ -169,6 +261,7 @@ class Metrics:
         self.padding_ratio.observe(size * padded_length / max(real_tokens, 1))
         for seconds in queue_s:
             self.queue_duration.observe(seconds)
+        self.stats.on_batch(queue_s)
 
     def on_dropped(self, reason: str, count: int) -> None:
         self.dropped.labels(reason).inc(count)
@@ -177,6 +270,7 @@ class Metrics:
 
     def on_forward(self, precision: str, seconds: float) -> None:
         self.compute_duration.labels(precision).observe(seconds)
+        self.stats.on_forward(seconds)
 
     def on_nonfinite(self, precision: str, count: int) -> None:
         self.nonfinite_outputs.labels(precision).inc(count)
@@ -215,6 +309,32 @@ class Metrics:
                     self.score_max.labels(label).observe(score)
                 if math.isfinite(ent):
                     self.entropy.labels(label).observe(ent)
+
+
+def summed_counts(registry: CollectorRegistry, last_inference_ms: int = 0) -> ModelCounts:
+    """`ModelCounts` from the samples of the metrics `ModelStats` mirrors (the same events update both).
+    For edge processes only: there each process has its own `Metrics`, the model process runs the
+    batches and forwards while every edge answers its own calls, and prometheus_client's multiprocess
+    files are what already sums them all (for /metrics). `last_inference_ms` has no metric: the caller's."""
+    totals: dict[str, float] = {}
+    calls = {True: [0.0, 0.0], False: [0.0, 0.0]}  # ok -> [count, seconds]
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.startswith("attention_request_duration_seconds_"):
+                if sample.labels.get("method") in INFER_METHODS and sample.name.endswith(("_count", "_sum")):
+                    calls[sample.labels["code"] == "OK"][sample.name.endswith("_sum")] += sample.value
+            elif not sample.name.endswith("_bucket"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value  # summed over labels
+
+    def timing(prefix: str) -> Timing:
+        return Timing(int(totals.get(f"{prefix}_count", 0)), totals.get(f"{prefix}_sum", 0.0))
+
+    return ModelCounts(
+        sequences=int(totals.get("attention_sequences_total", 0)),
+        batches=int(totals.get("attention_batches_total", 0)),
+        success=Timing(int(calls[True][0]), calls[True][1]), fail=Timing(int(calls[False][0]), calls[False][1]),
+        queue=timing("attention_queue_duration_seconds"), compute=timing("attention_compute_duration_seconds"),
+        last_inference_ms=last_inference_ms)
 
 
 def metric_families() -> dict[str, tuple[str, frozenset[str]]]:

@@ -62,7 +62,14 @@ class Serving:
 
     spec: ModelSpec | None = None  # set once the model is warm, with the batcher that runs it
     batcher: Admission | None = field(default=None, repr=False)
-    draining: bool = False
+    stopping: bool = False  # a shutdown has begun: not ready, though calls are served until `draining`
+    draining: bool = False  # from the end of the drain delay: new calls are refused
+
+    @property
+    def ready(self) -> bool:
+        """Readiness, as grpc.health.v1 reports it (and KServe's ServerReady/ModelReady, and the
+        attention_ready gauge): the model is warm and no shutdown has begun."""
+        return self.spec is not None and self.batcher is not None and not (self.stopping or self.draining)
 
     def require_ready(self) -> tuple[ModelSpec, Admission]:
         if self.draining:
@@ -123,7 +130,7 @@ class Calls:
             # All of them: a cancelled gather() has already cancelled its futures, but their items
             # may still be queued. Items that ran or are running are left alone.
             batcher.cancel(items)
-        self._metrics.sequences.inc(len(done))
+        self._metrics.on_sequences(len(done))
         return done
 
     async def answer(self, method: str, context: grpc.aio.ServicerContext,

@@ -151,7 +151,7 @@ class GrpcFront:
         self._deadline = 0.0
 
     def announce(self, grace: float) -> None:
-        pass
+        self._serving.stopping = True  # readiness off (Serving.ready); calls are still served until refuse()
 
     def refuse(self) -> None:
         self._serving.draining = True

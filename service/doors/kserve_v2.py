@@ -18,18 +18,24 @@ tables):
   bool `truncate` says) and `chunk_stride`, as attention.v1's fields (service/chunking.py). Outputs
   are padded to the longest row that ran (a truncated call's T is at most max_length); the response
   parameters `truncated` (some row was cut) and `windows` (windows of the chunked rows, summed) say so;
-- ModelStatistics is model-wide (both front doors), read from the service's metrics;
+- ModelMetadata and ModelConfig list every input the door takes for the model (`text` for a text
+  model), and the config's parameters both limits (ids: max_length; text: text_max_tokens);
+- RepositoryIndex answers the one served model, READY or UNAVAILABLE (shutting down);
+- ModelStatistics is model-wide (both front doors), from the service's own counts (service/metrics.py
+  `ModelCounts`); ServerReady/ModelReady from its readiness (service/doors/calls.py `Serving.ready`);
 - ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
-  "[StatusCode.X] message" and the stream goes on. Repository, shared-memory, trace and log RPCs
+  "[StatusCode.X] message" and the stream goes on. Load/unload, shared-memory, trace and log RPCs
   are UNIMPLEMENTED.
+
+docs/kserve.md says what each described field means and how perf_analyzer runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -42,9 +48,9 @@ from service.batching import Done
 from service.chunking import ERROR, MODES, TRUNCATE, stitch_all
 from service.config import ServiceConfig
 from service.doors.calls import Calls, parse, public, remaining
-from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, shown, status_of
+from service.errors import FailedPrecondition, InvalidInput, NotFound, NotReady, ServiceError, shown, status_of
 from service.jobs import ModelSpec, Output
-from service.metrics import Metrics
+from service.metrics import Metrics, Timing
 from service.output_range import check_arrays
 from service.plan import (
     HEADS,
@@ -81,7 +87,28 @@ _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
                          "chunk_stride"}) | _IGNORED
-_INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
+
+
+@dataclass(frozen=True)
+class InputTensor:
+    """One input the door takes, as ModelMetadata and ModelConfig describe it."""
+
+    name: str
+    datatype: str  # v2's (INT32 is taken too for the id tensors)
+    config_type: int  # model_config's
+    dims: tuple[int, ...]  # after the batch dim
+    optional: bool
+
+
+def model_inputs(text_model: bool) -> list[InputTensor]:
+    """Every input the door takes (`_inputs` decodes them): for a text model `text` too, and then either
+    `text` or `input_ids` is given, so neither is required. `text` is one string per row, [batch, 1] as
+    Triton writes it (what perf_analyzer sends for a data file's one-string lists; [batch] is taken too).
+    The embeddings input of attention.v1 has no KServe tensor. One list for ModelMetadata, ModelConfig
+    and the unknown-input error (`input_names`)."""
+    ids = [InputTensor(name, "INT64", mc.TYPE_INT64, (-1,), optional=name != IDS or text_model)
+           for name in (IDS, MASK, TYPES)]
+    return ids + ([InputTensor(TEXT, "BYTES", mc.TYPE_STRING, (1,), optional=True)] if text_model else [])
 
 
 class KServeServicer:
@@ -90,7 +117,6 @@ class KServeServicer:
         self._config = calls.config
         self._metrics = metrics
         self._workers = workers
-        self._last_inference_ms = 0
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
         handlers: dict[str, tuple[Any, Callable[..., Any]]] = {
@@ -102,6 +128,7 @@ class KServeServicer:
             "ModelMetadata": (v2.ModelMetadataRequest, self._model_metadata),
             "ModelConfig": (v2.ModelConfigRequest, self._model_config),
             "ModelStatistics": (v2.ModelStatisticsRequest, self._model_statistics),
+            "RepositoryIndex": (v2.RepositoryIndexRequest, self._repository_index),
         }
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, *h), response_serializer=bytes)
                    for name, h in handlers.items()}
@@ -167,9 +194,9 @@ class KServeServicer:
     # -- health and description -------------------------------------------------------------------
 
     def _ready(self) -> bool:
-        # attention_ready is the readiness grpc.health.v1 reports: 1 once warm, 0 from the moment a
-        # shutdown starts (through the drain delay, while calls are still served).
-        return self._calls.serving.spec is not None and self._sample("attention_ready") == 1
+        # The readiness grpc.health.v1 reports: true once warm, false from the moment a shutdown starts
+        # (through the drain delay, while calls are still served). An edge process's own.
+        return self._calls.serving.ready
 
     def _model_ready(self, request: Any) -> Any:
         spec = self._calls.serving.spec
@@ -183,12 +210,31 @@ class KServeServicer:
             raise NotFound(f"Request for unknown model: {shown(name)}{version_text} is not found")
         return spec
 
+    def _repository_index(self, request: Any) -> Any:
+        """The one served model, READY or UNAVAILABLE (a shutdown has begun); `ready` asks for ready ones
+        only. While loading there is no name to give yet: UNAVAILABLE, as for the other description calls."""
+        if request.repository_name:
+            raise NotFound(f"unknown repository {shown(request.repository_name)}; this server has one, "
+                           "named \"\" (leave repository_name empty)")
+        serving = self._calls.serving
+        ready = self._ready()
+        if request.ready and not ready:
+            return v2.RepositoryIndexResponse()
+        spec = serving.spec
+        if spec is None:
+            raise NotReady("model loading or warming up; retry shortly")
+        index = v2.RepositoryIndexResponse.ModelIndex
+        return v2.RepositoryIndexResponse(models=[
+            index(name=spec.name, version=spec.version, state="READY") if ready else
+            index(name=spec.name, version=spec.version, state="UNAVAILABLE", reason="server shutting down")])
+
     def _model_metadata(self, request: Any) -> Any:
         spec = self._served(request.name, request.version)
         meta = v2.ModelMetadataResponse.TensorMetadata
+        inputs = model_inputs(spec.tokenizer is not None)
         return v2.ModelMetadataResponse(
             name=spec.name, versions=[spec.version], platform=PLATFORM,
-            inputs=[meta(name=name, datatype="INT64", shape=[-1, -1]) for name in (IDS, MASK, TYPES)],
+            inputs=[meta(name=i.name, datatype=i.datatype, shape=[-1, *i.dims]) for i in inputs],
             outputs=[meta(name=name, datatype="FP32", shape=[-1, *dims]) for name, dims in self._outputs(spec)],
         )
 
@@ -202,18 +248,25 @@ class KServeServicer:
     def _model_config(self, request: Any) -> Any:
         spec = self._served(request.name, request.version)
         c = self._config
-        ids = [mc.ModelInput(name=IDS, data_type=mc.TYPE_INT64, dims=[-1])]
-        optional = [mc.ModelInput(name=name, data_type=mc.TYPE_INT64, dims=[-1], optional=True)
-                    for name in (MASK, TYPES)]
+        inputs = [mc.ModelInput(name=i.name, data_type=i.config_type, dims=i.dims, optional=i.optional)
+                  for i in model_inputs(spec.tokenizer is not None)]
         group = mc.ModelInstanceGroup
         kind = group.KIND_GPU if spec.device.startswith("cuda") else group.KIND_CPU
-        described = {"d_model": spec.d_model, "n_heads": spec.n_heads, "n_layers": spec.n_layers,
-                     "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
-                     "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
-                     "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
-                     "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias}
+        described: dict[str, object] = {
+            "d_model": spec.d_model, "n_heads": spec.n_heads, "n_layers": spec.n_layers,
+            "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
+            "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
+            "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
+            "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias}
+        if spec.tokenizer is not None:  # `text` is cut (or refused) at the tokenizer's limit, not at max_length
+            t = spec.tokenizer.settings
+            described.update({
+                "text_max_tokens": t.max_tokens, "text_truncation_side": t.truncation_side,
+                "text_pooling": t.pooling, "text_normalize": t.normalize, "text_prompts": ",".join(sorted(t.prompts)),
+                "text_default_prompt_name": t.default_prompt_name, "max_text_chars": c.max_text_chars,
+                "tokenizer_checksum": t.tokenizer_sha256})
         config = mc.ModelConfig(
-            name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=ids + optional,
+            name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=inputs,
             output=[mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims) for name, dims in self._outputs(spec)],
             dynamic_batching=mc.ModelDynamicBatching(
                 max_queue_delay_microseconds=int(c.max_wait_ms * 1e3),
@@ -226,43 +279,24 @@ class KServeServicer:
         return v2.ModelConfigResponse(config=config)
 
     def _model_statistics(self, request: Any) -> Any:
-        """Triton's shape, model-wide (attention.v1 calls included), from the service's metrics:
-        success/fail per call, queue per sequence, compute_infer per forward (warm-up's included);
-        compute_input/output are inside compute_infer here, and batch_stats is left empty."""
+        """Triton's shape, model-wide (attention.v1 calls included), from the service's own counts
+        (service/metrics.py `ModelCounts`): success/fail per call, queue per sequence, compute_infer per
+        forward (warm-up's included). The host-side input and output handling around a forward are not
+        timed apart: compute_input and compute_output carry compute_infer's count with 0 ns (perf_analyzer
+        requires the three counts equal). batch_stats is left empty."""
         if request.name:
             spec = self._served(request.name, request.version)
         else:
             spec, _ = self._calls.serving.require_ready()
-        stats = v2.ModelStatistics(
-            name=spec.name, version=spec.version, last_inference=self._last_inference_ms,
-            inference_count=int(self._sample("attention_sequences_total")),
-            execution_count=int(sum(self._sample("attention_batches_total", {"width": w}) for w in ("wide", "narrow"))),
-        )
+        counts = self._metrics.counts()
+        stats = v2.ModelStatistics(name=spec.name, version=spec.version, last_inference=counts.last_inference_ms,
+                                   inference_count=counts.sequences, execution_count=counts.batches)
         calls = stats.inference_stats
-        for sample in self._samples(self._metrics.request_duration):
-            if sample.labels.get("method") in _INFER_METHODS:
-                into = calls.success if sample.labels["code"] == "OK" else calls.fail
-                if sample.name.endswith("_count"):
-                    into.count += int(sample.value)
-                elif sample.name.endswith("_sum"):
-                    into.ns += int(sample.value * 1e9)
-        _duration(calls.queue, self._sample("attention_queue_duration_seconds_count"),
-                  self._sample("attention_queue_duration_seconds_sum"))
-        for sample in self._samples(self._metrics.compute_duration):
-            if sample.name.endswith("_count"):
-                calls.compute_infer.count += int(sample.value)
-            elif sample.name.endswith("_sum"):
-                calls.compute_infer.ns += int(sample.value * 1e9)
+        for into, timing in ((calls.success, counts.success), (calls.fail, counts.fail), (calls.queue, counts.queue),
+                             (calls.compute_infer, counts.compute), (calls.compute_input, Timing(counts.compute.count)),
+                             (calls.compute_output, Timing(counts.compute.count))):
+            into.count, into.ns = timing.count, int(timing.seconds * 1e9)
         return v2.ModelStatisticsResponse(model_stats=[stats])
-
-    def _sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self._metrics.view.get_sample_value(name, labels or {}) or 0.0
-
-    def _samples(self, metric: Any) -> list[Any]:
-        if self._metrics.view is self._metrics.registry:
-            return [sample for family in metric.collect() for sample in family.samples]
-        return [sample for family in self._metrics.view.collect() if family.name == metric._name
-                for sample in family.samples]
 
     # -- inference --------------------------------------------------------------------------------
 
@@ -300,7 +334,6 @@ class KServeServicer:
         for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
             arrays = [a for r in results if (a := _array_of(r, name)) is not None]
             check_arrays(name, arrays, _FLOAT_TYPES[datatype])
-        self._last_inference_ms = int(time.time() * 1e3)
         response = _response(request, spec, done, results, outputs, T)
         if any(plan.cut(i) for i in range(len(results))):
             response.parameters["truncated"].bool_param = True
@@ -342,10 +375,6 @@ def _final_flag(request: Any) -> bool:
 
 def _names(spec: ModelSpec, name: str, version: str) -> bool:
     return name == spec.name and version in ("", spec.version)
-
-
-def _duration(into: Any, count: float, seconds: float) -> None:
-    into.count, into.ns = int(count), int(seconds * 1e9)
 
 
 def _parameters(parameters: Any) -> dict[str, Any]:
@@ -490,8 +519,8 @@ def _inputs(request: Any, spec: ModelSpec, config: ServiceConfig) -> tuple[dict[
 
 
 def input_names(spec: ModelSpec) -> str:
-    """The inputs this door takes for `spec`, as its messages list them."""
-    return ", ".join((IDS, MASK, TYPES, TEXT) if spec.tokenizer is not None else (IDS, MASK, TYPES))
+    """The inputs this door takes for `spec`, as its messages list them (the metadata's list)."""
+    return ", ".join(i.name for i in model_inputs(spec.tokenizer is not None))
 
 
 def _decode_text(tensor: Any, contents: Any, index: int, spec: ModelSpec, config: ServiceConfig) -> list[str]:

@@ -41,8 +41,8 @@ async def run(directory: Path) -> int:
     config = ServiceConfig(**json.loads((directory / CONFIG).read_text()))
     registry = CollectorRegistry()
     metrics = Metrics(registry)  # prometheus_client's multiprocess mode: the model process sums every process
-    metrics.view = CollectorRegistry()  # read back (KServe statistics, readiness): every process's, summed
-    multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
+    metrics.shared = CollectorRegistry()  # KServe statistics: every process's counts, summed (Metrics.counts)
+    multiprocess.MultiProcessCollector(metrics.shared, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
     serving = Serving()
     # The model process serves /metrics and the health port; an edge serves its share of the gRPC port.
     lifecycle = Lifecycle(dataclasses.replace(config, metrics_port=-1, health_port=-1, ready_file=""), metrics,

@@ -331,9 +331,13 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
             ("grpc_server_handled_total", {"grpc_service": SERVICE_NAME, "grpc_code": "OK"}),
             ("grpc_server_started_total", {"grpc_service": SERVICE_NAME}),
             ("attention_sequences_total", {}), ("attention_batch_size_sum", {}))}
-        # KServe statistics read every process's numbers, whichever edge answers.
-        stats = [(await service_pb2_grpc.GRPCInferenceServiceStub(c).ModelStatistics(
-            v2.ModelStatisticsRequest(name="fault-model"), timeout=10)).model_stats[0] for c in channels]
+        # KServe statistics read every process's numbers, whichever edge answers; readiness is each edge's own.
+        kserve = [service_pb2_grpc.GRPCInferenceServiceStub(c) for c in channels]
+        stats = [(await stub.ModelStatistics(v2.ModelStatisticsRequest(name="fault-model"), timeout=10)).model_stats[0]
+                 for stub in kserve]
+        ready = {(await stub.ServerReady(v2.ServerReadyRequest(), timeout=10)).ready for stub in kserve}
+        index = {tuple((m.name, m.state) for m in (await stub.RepositoryIndex(
+            v2.RepositoryIndexRequest(), timeout=10)).models) for stub in kserve}
     finally:
         for channel in channels:
             await channel.close()
@@ -343,11 +347,17 @@ async def test_calls_spread_over_the_edges_batch_together_and_every_count_adds_u
     assert [a.metadata.batch_size for a in answers] == [12] * 12
     edges = edge_ledgers(server)
     assert len(edges) == 2 and all(e["started"] > 0 for e in edges), edges  # type: ignore[operator]
-    assert sum(e["started"] for e in edges) == 25  # type: ignore[misc]  # 13 Encode, 12 ModelStatistics
+    assert sum(e["started"] for e in edges) == 49  # type: ignore[misc]  # 13 Encode, 12 x 3 KServe calls
     assert metrics == dict.fromkeys(metrics, 13.0), metrics
-    assert {(s.inference_count, s.execution_count, s.inference_stats.success.count) for s in stats} == {(13, 2, 13)}
+    assert {(s.inference_count, s.execution_count, s.inference_stats.success.count, s.inference_stats.queue.count)
+            for s in stats} == {(13, 2, 13, 13)}
+    # The forwards are the model process's (warm-up's included); the three compute counts perf_analyzer compares.
+    [(inputs, forwards, outputs)] = {(s.inference_stats.compute_input.count, s.inference_stats.compute_infer.count,
+                                      s.inference_stats.compute_output.count) for s in stats}
+    assert inputs == forwards == outputs >= 3, (inputs, forwards, outputs)  # the 2 batches and the warm-up's
+    assert ready == {True} and index == {(("fault-model", "READY"),)}
     book = server.exit_ledger()
-    assert book["started"] == 25 and book["handled"] == {"OK": 25}, book
+    assert book["started"] == 49 and book["handled"] == {"OK": 49}, book
     assert book["batched_sequences"] == 13 and book["queue_depth"] == 0, book
     assert "Traceback" not in server.output()
 
