@@ -39,6 +39,7 @@ from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
 from service.doors.calls import Calls, Serving
 from service.doors.front import Front, build_front, grpc_options, ledger
+from service.doors.http.door import HttpDoor
 from service.fault_hooks import FaultHooks
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
@@ -89,6 +90,13 @@ class Server:
         front = build_front(config, edge, self.metrics, self.health, len(self.threads))
         self.grpc, self.port = front.grpc, front.port
         self.servicer, self.kserve = front.servicer, front.kserve
+        # The HTTP door (docs/http.md): the same edge, doors and metrics, on its own port.
+        self.http: HttpDoor | None = None
+        if config.http_port >= 0:
+            self.http = HttpDoor(config, edge, self.metrics, front.servicer, front.kserve)
+            log.info("HTTP port %d: %s, bearer tokens as the gRPC port's", self.http.port,
+                     "TLS" if self.http.tls else "plaintext")
+        self.http_port = self.http.port if self.http is not None else 0
         self._batcher: Batcher[Job] | None = None
         self.health_grpc: grpc.aio.Server | None = None
         self.health_port = 0
@@ -121,6 +129,8 @@ class Server:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.grpc.start()
+        if self.http is not None:
+            await self.http.start()
         if self.health_grpc is not None:
             await self.health_grpc.start()
         self.threads.start()
@@ -143,7 +153,8 @@ class Server:
                  spec.device, spec.precision)
         if config.ready_file:
             _write_json(config.ready_file, {"port": self.port, "metrics_port": self.metrics_port,
-                                            "health_port": self.health_port, "pid": os.getpid()})
+                                            "health_port": self.health_port, "http_port": self.http_port,
+                                            "pid": os.getpid()})
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop. `grace` defaults to `drain_grace_s`; 0 stops at once.
@@ -166,6 +177,7 @@ class Server:
         # running them). Just before grace ends we answer what is left ourselves, UNAVAILABLE
         # "shutting down", rather than let grpcio cancel the calls.
         stopping = asyncio.create_task(self.grpc.stop(grace))
+        http_stopping = asyncio.create_task(self.http.stop(grace) if self.http is not None else asyncio.sleep(0))
         margin = min(0.25, grace / 5)
         if batcher is not None:
             await batcher.drain(grace - margin)
@@ -174,7 +186,7 @@ class Server:
         self.threads.close()
         # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap grpcio's stop.
         metrics_down = asyncio.to_thread(self._httpd.shutdown) if self._httpd is not None else asyncio.sleep(0)
-        await asyncio.gather(stopping, metrics_down)
+        await asyncio.gather(stopping, http_stopping, metrics_down)
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
         if self._httpd is not None:

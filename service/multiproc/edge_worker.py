@@ -28,6 +28,7 @@ from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.doors.calls import Calls, Serving
 from service.doors.front import build_front, ledger
+from service.doors.http.door import HttpDoor
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.remote import ModelClient
@@ -59,6 +60,9 @@ async def run(directory: Path) -> int:
     edge = Calls(config, serving, metrics)
     try:
         front = build_front(config, edge, metrics, health_servicer, workers, reuse_port=True)
+        # The HTTP door on the HTTP port the model process holds, shared the same way.
+        http = HttpDoor(config, edge, metrics, front.servicer, front.kserve, reuse_port=True) \
+            if config.http_port >= 0 else None
     except RuntimeError as exc:
         log.error("cannot start: %s", exc)
         return 1
@@ -70,6 +74,8 @@ async def run(directory: Path) -> int:
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await front.grpc.start()
+    if http is not None:
+        await http.start()
     serving.spec, serving.batcher = spec, client
     metrics.ready.set(1)
     client.start()
@@ -84,7 +90,7 @@ async def run(directory: Path) -> int:
             await asyncio.sleep(config.drain_delay_s)
         serving.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
         # The model process answers every accepted job before the grace ends (as one process does).
-        await front.grpc.stop(grace)
+        await asyncio.gather(front.grpc.stop(grace), http.stop(grace) if http is not None else asyncio.sleep(0))
 
     drain = asyncio.create_task(drains.get())
     gone = asyncio.create_task(lost.wait())

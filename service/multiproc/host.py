@@ -28,6 +28,7 @@ socket close, fail their unanswered calls UNAVAILABLE and exit 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -113,10 +114,11 @@ class EdgeSlot:
 
 
 class ModelHost:
-    def __init__(self, config: ServiceConfig, directory: Path, port: int) -> None:
+    def __init__(self, config: ServiceConfig, directory: Path, port: int, http_port: int = -1) -> None:
         self.config = config
         self.directory = directory
         self.port = port
+        self.http_port = http_port  # the HTTP door's, held like the gRPC port (-1: off)
         self.metrics = Metrics(CollectorRegistry())
         self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
@@ -160,7 +162,7 @@ class ModelHost:
     async def _load_and_start_edges(self) -> None:
         config = self.config
         self.batcher, self.spec = await start_model(config, self.metrics, self.threads, self.hooks)
-        edge_config = {**_fields(config), "port": self.port, "ready_file": ""}
+        edge_config = {**_fields(config), "port": self.port, "http_port": self.http_port, "ready_file": ""}
         # 0600 in a 0700 directory: it holds the bearer tokens, if any.
         with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             json.dump(edge_config, f)
@@ -178,7 +180,7 @@ class ModelHost:
         if config.ready_file:
             _write_json(config.ready_file, {
                 "port": self.port, "metrics_port": self.metrics_port, "health_port": self.health_port,
-                "pid": os.getpid(), "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
+                "http_port": max(self.http_port, 0), "pid": os.getpid(), "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
 
     async def _spawn(self, slot: EdgeSlot) -> None:
         slot.ready.clear()
@@ -341,39 +343,54 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
-    with holder, lock:
-        try:
-            host = ModelHost(config, directory, port)
-        except (RuntimeError, ValueError, OSError) as exc:
-            log.error("cannot start: %s", exc)
-            return 1
-        signals = signal_queue()
-        try:
-            await host.start()
-        except OSError as exc:
-            log.error("cannot start: %s", exc)
-            return 1
-        log.info("port %s:%d held for %d edge processes, metrics on :%d; loading the model", config.host, port,
-                 config.edge_processes, host.metrics_port)
-        assert host.startup is not None
-        waiter = asyncio.create_task(signals.get())
-        failed = asyncio.create_task(host.failed.wait())
-        watched: set[asyncio.Future[Any]] = {waiter, failed, host.startup}
-        while not (waiter.done() or failed.done()):  # a start-up that succeeds ends neither
-            await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-            if host.startup.done() and not host.startup.cancelled() and host.startup.exception() is not None:
-                log.error("start-up failed: %s", host.startup.exception())
-                waiter.cancel()
-                failed.cancel()
-                await host.stop(0)
+    http_port = -1
+    with contextlib.ExitStack() as held:
+        held.enter_context(holder)
+        held.enter_context(lock)
+        if config.http_port >= 0:  # the HTTP door's port, shared by the edges the same way
+            try:
+                http_holder, http_port, http_lock = reserve_port(config.host, config.http_port)
+            except OSError as exc:
+                log.error("cannot start: HTTP port: %s", exc)
                 return 1
-            watched.discard(host.startup)
-        if failed.done():
+            held.enter_context(http_holder)
+            held.enter_context(http_lock)
+        return await _serve_held(config, directory, port, http_port)
+
+
+async def _serve_held(config: ServiceConfig, directory: Path, port: int, http_port: int) -> int:
+    try:
+        host = ModelHost(config, directory, port, http_port)
+    except (RuntimeError, ValueError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    signals = signal_queue()
+    try:
+        await host.start()
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    log.info("port %s:%d held for %d edge processes, metrics on :%d; loading the model", config.host, port,
+             config.edge_processes, host.metrics_port)
+    assert host.startup is not None
+    waiter = asyncio.create_task(signals.get())
+    failed = asyncio.create_task(host.failed.wait())
+    watched: set[asyncio.Future[Any]] = {waiter, failed, host.startup}
+    while not (waiter.done() or failed.done()):  # a start-up that succeeds ends neither
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        if host.startup.done() and not host.startup.cancelled() and host.startup.exception() is not None:
+            log.error("start-up failed: %s", host.startup.exception())
             waiter.cancel()
-            await host.stop()
-            log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
+            failed.cancel()
+            await host.stop(0)
             return 1
-        failed.cancel()
-        await drain_on_signal(waiter, signals, config, host.stop)  # stop(0): the edges stop at once too
+        watched.discard(host.startup)
+    if failed.done():
+        waiter.cancel()
+        await host.stop()
         log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
-        return await exit_after(host.threads, functools.partial(shutil.rmtree, directory, ignore_errors=True))
+        return 1
+    failed.cancel()
+    await drain_on_signal(waiter, signals, config, host.stop)  # stop(0): the edges stop at once too
+    log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
+    return await exit_after(host.threads, functools.partial(shutil.rmtree, directory, ignore_errors=True))
