@@ -180,7 +180,8 @@ class ModelHost:
         if config.ready_file:
             _write_json(config.ready_file, {
                 "port": self.port, "metrics_port": self.metrics_port, "health_port": self.health_port,
-                "http_port": max(self.http_port, 0), "pid": os.getpid(), "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
+                "http_port": max(self.http_port, 0), "pid": os.getpid(),
+                "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
 
     async def _spawn(self, slot: EdgeSlot) -> None:
         slot.ready.clear()
