@@ -68,7 +68,7 @@ gpu-check:  ## CUDA tests, model ceiling and service under load on a GPU, <= 8 m
 	$(GPU_PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 # What the H200 machines' python3 (3.12, CUDA torch, no network) lacks for gpu-check, pinned as requirements*.txt
-# (tests/test_gpu_check.py checks that); carried there as .whl/ (bench/gpu_check.py's docstring has the command).
+# (tests/bench/test_gpu_check.py checks that); carried there as .whl/ (bench/gpu_check.py's docstring has the command).
 GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
 	protobuf==7.36.2 googleapis-common-protos==1.76.0 prometheus-client==0.26.0 pytest==9.2.0 pluggy==1.7.0 \
 	iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 hypothesis==6.170.17 \

@@ -6,7 +6,7 @@ drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and i
                        [--a-prelude CODE] [--b-prelude CODE] [--keep-servers]
 
 A variant is server flags (`--a-flag=--max-batch-tokens=4096`), a source tree (`--a-source`: another
-checkout, e.g. `git worktree add /tmp/old HEAD~1`) and Python run in the server process before it
+checkout, e.g. `git worktree add ../old HEAD~1`) and Python run in the server process before it
 starts (`--b-prelude 'import service.batching.choice as w; w.AGE_POWER = 0'`, for experiments that have no
 flag). Every round starts a fresh server of each variant (in alternating order) and runs one slice on
 each, alternating which goes first: two processes of the same code differ here by up to 6% for as

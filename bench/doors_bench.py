@@ -1,5 +1,5 @@
 """The edge alone (issue 22): the service with a model that costs nothing, against bare Python gRPC
-answering the same bytes, under the same load generator, in one run (`make bench-edge`).
+answering the same bytes, under the same load generator, in one run (`make bench-doors`).
 
     python -m bench.doors_bench [--concurrency 1 16 64 256] [--connections 1 4] [--rounds 3] [--seconds 3]
                                [--server-flag=--model-workers=1 ...] [--base-source DIR [--base-flag F ...]]
@@ -12,7 +12,7 @@ Variants, each a fresh process per round on 127.0.0.1:
   --server-flag=--model-workers=0` measures the CPU defaults). With two intra-op threads OpenMP's
   pool spins between a tiny model's batches and costs more CPU per call than the whole edge
   (bench/RESULTS.md, issue 22): on a GPU that pool idles, so it is kept out of the edge's figures;
-- `base` (with `--base-source`): the same from another checkout (e.g. `git worktree add /tmp/base main`),
+- `base` (with `--base-source`): the same from another checkout (e.g. `git worktree add ../base main`),
   with `--base-flag`s, so before and after are measured in the same run;
 - `floor-aio` / `floor-sync`: a bare grpc.aio server / a sync `grpc.server` (bench/grpc_floor.py
   `FloorServer`) answering GetModelInfo and Encode with the bytes the service answered, doing no work;
@@ -251,7 +251,7 @@ def one_slice(server: ServerProcess | FloorServer, variant: str, concurrency: in
 PROFILE_BUCKETS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compile(pattern)) for name, pattern in (
     ("metrics", r"prometheus_client/|service/metrics\.py|service/grpc_metrics\.py"),
     ("response building", r"^(fill_tensor|_response|check_representable) |service/output_range\.py"),
-    ("parsing/validation", r"service/validation\.py|^(parse|from_tensor) "),
+    ("parsing/validation", r"service/plan\.py|^(parse|from_tensor|ask_of|_input) "),
     ("batcher handoff", r"service/batching/|^Edge\.compute "),
     ("handler glue", r"service/(edge|servicer|kserve|security)\.py"),
     ("model", r"service/runner\.py|torch/"),

@@ -28,9 +28,9 @@ from service.batching.choice import choose_batch
 from service.batching.types import BatchLimits
 from service.config import ServiceConfig
 from service.doors.attention_v1 import _response
+from service.doors.attention_v1 import plan_request as validate
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
-from service.validation import validate
 
 
 def parts() -> list[tuple[str, Callable[[], Any]]]:

@@ -108,7 +108,7 @@ def phase_service(args: argparse.Namespace, deadline: float, record: dict[str, A
         for c, procs, output in plan:
             for T in lengths:
                 runs.append(_measure(server, model, args, deadline, T, c, procs, output))
-        # Edge processes (README "More cores for the edge"): one process against N in front of the same model,
+        # Edge processes (docs/edge-processes.md): one process against N in front of the same model,
         # several connections per load process so that the kernel spreads them over the edges.
         if args.edge_processes:
             for c in (64, 256):

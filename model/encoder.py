@@ -15,7 +15,7 @@ rather than (B, T, C): they are about nine tenths of the work at d_ff = 4 d_mode
 padding costs little beyond its share of attention (as TEI and FasterTransformer's "remove padding"
 do): on CPU a padded token costs a fifth to a third of what it did (python -m bench.packing_bench).
 Error against the fp32 module, measured on CPU (AVX2) for TINY and REFERENCE, post-/pre-LN, relu/gelu,
-seeds 0-2, padded batches, both paths (tests/test_model_numerics.py holds the bounds, which
+seeds 0-2, padded batches, both paths (tests/model/test_model_numerics.py holds the bounds, which
 model.bundle.RELATIVE_ERROR_BOUND also applies at export):
   hidden states, max|x - x32| / max|x32|:  bf16 measured <= 0.0125, bound 0.03; fp16 <= 0.0014, bound 0.005
   attention weights, max|w - w32|:         bf16 measured <= 0.0097, bound 0.03; fp16 <= 0.0012, bound 0.005

@@ -1,4 +1,8 @@
-"""`python -m service`: parse the config, then serve until SIGTERM."""
+"""`python -m service` (the `attention-service` command): parse the config, then serve until SIGTERM.
+
+Help and configuration errors come before torch is imported (they must not wait for it); the serving
+mode is chosen here: one process (service/server.py) or edge processes (service/multiproc/host.py).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,7 @@ import asyncio
 import logging
 import sys
 
-from prometheus_client import CollectorRegistry
-
 from service.config import ServiceConfig
-from service.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.edge_processes:
+        from service.multiproc.host import serve_with_edges
+
+        return asyncio.run(serve_with_edges(config))
+    from prometheus_client import CollectorRegistry
+
+    from service.server import serve
+
     return asyncio.run(serve(config, CollectorRegistry()))
 
 

@@ -66,7 +66,7 @@ class ServiceConfig:
     max_queue_requests: int = _opt(4096, "queued sequences beyond which calls get RESOURCE_EXHAUSTED at once")
     pipeline: str = _opt("auto", "auto | on | off: prepare the next batch while the device runs this one "
                                  "(auto = on for cuda, off for cpu)")
-    # Attention health (README "Attention health")
+    # Attention health (docs/attention-health.md)
     diagnostics_sample: float = _opt(
         0.01, "fraction of batches whose attention health (per layer: max |pre-softmax score|, normalised "
               "entropy) is recomputed on the explicit path after their results are delivered (0 = off, no cost)")
@@ -103,7 +103,7 @@ class ServiceConfig:
     # Lifecycle
     edge_processes: int = _opt(
         0, "gRPC edge processes (front doors, parsing, tokenizing) in front of one model process that owns the "
-           "device and the one batcher, sharing the gRPC port (README \"More cores for the edge\"; 0 = one process "
+           "device and the one batcher, sharing the gRPC port (docs/edge-processes.md; 0 = one process "
            "does both)")
     drain_delay_s: float = _opt(0.0, "on SIGTERM, keep serving this long after NOT_SERVING (load balancers)")
     drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")

@@ -24,7 +24,9 @@ caller that goes away is not an error of ours: grpcio ends that call CANCELLED (
 
 from __future__ import annotations
 
+import re
 import uuid
+from typing import Any
 
 
 class ServiceError(Exception):
@@ -150,3 +152,15 @@ def _lookup(table: dict[type[ServiceError], str], error: ServiceError) -> str:
         if cls in table:
             return table[cls]
     raise AssertionError(f"{type(error).__name__} is not in the error table. This is a bug.")
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
+
+
+def shown(value: Any, quote: bool = True) -> str:
+    """A caller's value in a message: only when short and plain, so that no request data (a long
+    string, a path, control characters) is echoed back."""
+    text = str(value)
+    if not _PLAIN.fullmatch(text):
+        return "(not shown)"
+    return repr(text) if quote and isinstance(value, str) else text

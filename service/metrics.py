@@ -1,7 +1,7 @@
 """Prometheus metrics, all on one injected `CollectorRegistry` (never module globals).
 
 Histograms rather than summaries, so that p99 aggregates across replicas. Names and label sets are
-pinned by tests/test_metrics.py: a rename is a conscious change (dashboards and alerts use them).
+pinned by tests/service/test_metrics.py: a rename is a conscious change (dashboards and alerts use them).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ class Metrics:
 
 def metric_families() -> dict[str, tuple[str, frozenset[str]]]:
     """Every family `Metrics` exports, as exposed (counters with `_total`): name -> (type, labels). The
-    contract with dashboards and alerts, derived here once (tests/test_metrics.py pins it)."""
+    contract with dashboards and alerts, derived here once (tests/service/test_metrics.py pins it)."""
     families: dict[str, tuple[str, frozenset[str]]] = {}
     for metric in vars(Metrics(CollectorRegistry())).values():
         if isinstance(metric, MetricWrapperBase):

@@ -1,6 +1,6 @@
 """Continuous, length-aware batching of single sequences into model batches.
 
-The contract (held by tests/test_batcher.py):
+The contract (held by tests/service/test_batcher.py):
 
 - `submit(requests, deadline)` admits all sequences of one call or none. Over `max_queue_requests`
   queued sequences or `max_queue_tokens` queued tokens it raises `Overloaded` at once; after

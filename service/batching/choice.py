@@ -35,7 +35,7 @@ AGE_SLACK_S = 0.01
 # Up to this many (end, size) cells, `choose_batch` and `choose_window` run in plain Python: numpy's
 # per-call cost (some 30 array operations, 70-250 us here, on the model thread with the GIL held)
 # outweighs a few dozen cells (bench/RESULTS.md, issue 22). The same float operations in the same
-# order: the same choice (tests/test_batcher.py holds the two equal; a numpy that vectorises pow could
+# order: the same choice (tests/service/test_batcher.py holds the two equal; a numpy that vectorises pow could
 # differ from libm's in the last bit of a weight, and so on an exact tie).
 PYTHON_CELLS = 64
 

@@ -2,7 +2,7 @@
 admission bounds, deadline expiry and the choice of the next batch. Plain state, no lock and no
 threads: batching/batcher.py calls it under its own lock.
 
-What a batch holds (held by tests/test_batcher.py and tests/test_batch_queue.py):
+What a batch holds (held by tests/service/test_batcher.py and tests/service/test_batch_queue.py):
 - One computation `key` only (attention or not, causal or not, ...), at most `max_batch_size` items
   and at most `max_batch_tokens` tokens counted as size x padded length.
 - Length-aware: among the oldest queued items of the chosen key (about `pool_batches` batches'

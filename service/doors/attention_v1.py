@@ -1,5 +1,6 @@
-"""attention.v1.AttentionService: proto <-> domain. Nothing else: admission, waiting and every call's
-outcome are service/doors/calls.py's, shared with any other front door.
+"""attention.v1.AttentionService: its messages -> an `Ask` (service/plan.py) -> the plan -> the outputs as
+its messages. Nothing else: admission, waiting and every call's outcome are service/doors/calls.py's,
+shared with every other front door.
 
 Handlers take raw request bytes and parse them here, so that a malformed message is answered
 INVALID_ARGUMENT instead of grpcio's UNKNOWN.
@@ -13,23 +14,53 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from proto.attention.v1 import attention_pb2 as pb
-from proto.attention.v1.codec import SERVICE_NAME, fill_tensor
+from proto.attention.v1.codec import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    SERVICE_NAME,
+    TensorError,
+    dtype_name,
+    fill_tensor,
+    from_tensor,
+)
 from service.batching import Done
 from service.chunking import stitch_all
+from service.config import ServiceConfig
 from service.doors.calls import Calls, parse, public, remaining
 from service.errors import InvalidInput, NonFiniteInput, ServiceError, status_of
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_representable
-from service.validation import TOKENIZE_INLINE_CHARS, Plan, text_chars, tokenize, validate
+from service.plan import (
+    INLINE_CHARS,
+    MAX_REQUEST_ID,
+    Ask,
+    Names,
+    Plan,
+    check_count,
+    plan,
+    plan_call,
+    response_bytes,
+    tokenize,
+)
+
+NAMES = Names()  # the plan's default names are this door's
+_DTYPE = {pb.DTYPE_UNSPECIFIED: "float32", pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16",
+          pb.DTYPE_BFLOAT16: "bfloat16"}
+_WIRE_DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
+_POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_CLS: "cls", pb.POOLING_MODEL: "model"}
+_HEADS = {pb.HEADS_ALL: "all", pb.HEADS_MEAN: "mean"}
+_LONG = {pb.LONG_INPUTS_UNSPECIFIED: None, pb.LONG_INPUTS_ERROR: "error", pb.LONG_INPUTS_TRUNCATE: "truncate",
+         pb.LONG_INPUTS_CHUNK: "chunk"}
 
 
 class AttentionServicer:
-    def __init__(self, edge: Calls, metrics: Metrics) -> None:
-        self._edge = edge
-        self._config = edge.config
+    def __init__(self, calls: Calls, metrics: Metrics) -> None:
+        self._calls = calls
+        self._config = calls.config
         self._metrics = metrics
 
     # -- handlers (raw bytes in, raw bytes out) --------------------------------------------------
@@ -41,7 +72,7 @@ class AttentionServicer:
             data: bytes = response.SerializeToString()
             return data
 
-        return await self._edge.answer("Encode", context, work)
+        return await self._calls.answer("Encode", context, work)
 
     async def get_model_info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
@@ -49,19 +80,19 @@ class AttentionServicer:
             data: bytes = self._model_info().SerializeToString()
             return data
 
-        return await self._edge.answer("GetModelInfo", context, work)
+        return await self._calls.answer("GetModelInfo", context, work)
 
     async def tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
             request = parse(pb.TokenizeRequest, raw)
-            if sum(len(t) for t in request.texts) > TOKENIZE_INLINE_CHARS:
+            if sum(len(t) for t in request.texts) > INLINE_CHARS:
                 response = await asyncio.to_thread(self._tokenize, request)  # beside the loop, as _encode does
             else:
                 response = self._tokenize(request)
             data: bytes = response.SerializeToString()
             return data
 
-        return await self._edge.answer("Tokenize", context, work)
+        return await self._calls.answer("Tokenize", context, work)
 
     async def encode_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -74,31 +105,28 @@ class AttentionServicer:
             async def work() -> bytes:
                 nonlocal request_id
                 request = parse(pb.EncodeRequest, raw)
-                request_id = request.request_id
+                if len(request.request_id) <= MAX_REQUEST_ID:  # echoed in a refusal too: never a long one
+                    request_id = request.request_id
                 data: bytes = (await self._encode(request, remaining(context, self._config))).SerializeToString()
                 return data
 
-            return await self._edge.answer_in_stream(
+            return await self._calls.answer_in_stream(
                 "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())
 
-        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
+        async with contextlib.aclosing(self._calls.stream(requests, one)) as responses:
             async for response in responses:
                 yield response
 
     # -- the call ---------------------------------------------------------------------------------
 
     async def _encode(self, request: pb.EncodeRequest, seconds: float) -> pb.EncodeResponse:
-        spec, _ = self._edge.serving.require_ready()
+        spec, _ = self._calls.serving.require_ready()
         try:
-            if spec.tokenizer is not None and text_chars(request) > TOKENIZE_INLINE_CHARS:
-                # The Rust tokenizer releases the GIL: a big call tokenizes beside the event loop, not on it.
-                plan = await asyncio.to_thread(validate, request, spec, self._config)
-            else:
-                plan = validate(request, spec, self._config)
+            plan = await plan_call(ask_of(request, spec, self._config), spec, self._config, NAMES, response_bytes)
         except NonFiniteInput:
             self._metrics.nonfinite_inputs.inc()
             raise
-        done = await self._edge.compute(plan.jobs, seconds)
+        done = await self._calls.compute(plan.jobs, seconds)
         outputs = [d.output for d in done]
         if plan.chunks:
             outputs = stitch_all(plan.chunks, outputs)
@@ -107,10 +135,9 @@ class AttentionServicer:
 
     def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         """Encode's own tokenization (service/validation.py `tokenize`: limits, prompt, truncation, errors)."""
-        spec, _ = self._edge.serving.require_ready()
+        spec, _ = self._calls.serving.require_ready()
         n = len(request.texts)
-        if not 1 <= n <= self._config.max_sequences_per_call:
-            raise InvalidInput("texts", f"must hold 1..{self._config.max_sequences_per_call} texts; got {n}")
+        check_count(n, self._config, "texts")
         encoded = tokenize(request.texts, spec, self._config, fields=[f"texts[{i}]" for i in range(n)],
                            truncate=request.truncate, prompt_name=request.prompt_name, all_field="texts",
                            prompt_field="prompt_name")
@@ -121,7 +148,7 @@ class AttentionServicer:
         return response
 
     def _model_info(self) -> pb.ModelInfo:
-        spec, _ = self._edge.serving.require_ready()
+        spec, _ = self._calls.serving.require_ready()
         c = self._config
         info = pb.ModelInfo(
             name=spec.name, version=spec.version, checksum=spec.checksum, d_model=spec.d_model,
@@ -175,21 +202,74 @@ def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec:
     m.batch_size, m.padded_length, m.fp32_retry = widest.batch_size, widest.padded_length, fp32_retry
     m.precision, m.device, m.model_name, m.model_version = spec.precision, spec.device, spec.name, spec.version
     sequences = plan.sequences
+    output_dtype, attention_dtype = _WIRE_DTYPE[plan.output_dtype], _WIRE_DTYPE[plan.attention_dtype]
     for i, out in enumerate(outputs):
         # Filled in place: building submessages and then the response from them copies every tensor twice.
         text = plan.texts[i] if plan.texts else None
         chunk = plan.chunks[i] if plan.chunks else None
-        seq = response.outputs.add(nonfinite=out.fp32_rerun, token_count=sequences[i].length,
-                                   truncated=(text is not None and text.truncated) or (
-                                       bool(plan.truncated) and plan.truncated[i]),
+        seq = response.outputs.add(nonfinite=out.fp32_rerun, token_count=sequences[i].length, truncated=plan.cut(i),
                                    windows=len(chunk.starts) if chunk is not None else 0)
         if text is not None and plan.return_tokens:
             fill_tensor(seq.token_ids, text.ids, pb.DTYPE_INT64)
             seq.tokens.extend(text.tokens)
         if out.hidden is not None:
-            fill_tensor(seq.hidden, out.hidden, plan.output_dtype)
+            fill_tensor(seq.hidden, out.hidden, output_dtype)
         if out.pooled is not None:
-            fill_tensor(seq.pooled, out.pooled, plan.output_dtype)
+            fill_tensor(seq.pooled, out.pooled, output_dtype)
         if out.attention is not None:
-            fill_tensor(seq.attention, out.attention, plan.attention_dtype)
+            fill_tensor(seq.attention, out.attention, attention_dtype)
     return response
+
+
+def ask_of(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> Ask:
+    """An EncodeRequest as the plan's `Ask`: each sequence's tensor decoded (dtype, shape and bytes
+    checked here, the rest by the plan), the options as the plan names them."""
+    check_count(len(request.sequences), config, "sequences")  # before decoding any of them
+    out, att = request.output, request.attention
+    for value, table, field in ((out.dtype, _DTYPE, "output.dtype"), (att.dtype, _DTYPE, "attention.dtype"),
+                                (out.pooling, _POOLING, "output.pooling"), (att.heads, _HEADS, "attention.heads"),
+                                (request.long_inputs, _LONG, "long_inputs")):
+        if value not in table:
+            name = dtype_name(value) if table is _DTYPE else str(value)
+            raise InvalidInput(field, f"unknown value {name}" if table is not _DTYPE else
+                               f"must be FLOAT32, FLOAT16 or BFLOAT16; got {name}")
+    if att.layers and not att.return_attention:
+        raise InvalidInput("attention.layers", "given, but return_attention is false")
+    return Ask(
+        inputs=[_input(i, sequence, spec) for i, sequence in enumerate(request.sequences)],
+        request_id=request.request_id,
+        return_hidden=out.return_hidden if out.HasField("return_hidden") else True,
+        pooling=_POOLING[out.pooling], normalize=out.normalize if out.HasField("normalize") else None,
+        dtype=_DTYPE[out.dtype], attention=tuple(att.layers) if att.return_attention else None,
+        heads=_HEADS[att.heads], attention_dtype=_DTYPE[att.dtype], causal=request.causal,
+        long_inputs=_LONG[request.long_inputs], truncate=request.truncate, chunk_stride=request.chunk_stride,
+        prompt_name=out.prompt_name, return_tokens=out.return_tokens,
+    )
+
+
+def _input(i: int, sequence: pb.Sequence, spec: ModelSpec) -> np.ndarray | str:
+    kind = sequence.WhichOneof("input")
+    if kind is None:
+        raise InvalidInput(f"sequences[{i}]", "one of token_ids, embeddings or text is required")
+    if kind == "text":
+        return sequence.text
+    field = f"sequences[{i}].{kind}"
+    tensor = getattr(sequence, kind)
+    allowed = INT_DTYPES if kind == "token_ids" else FLOAT_DTYPES
+    if tensor.dtype not in allowed:
+        names = " or ".join(dtype_name(d) for d in allowed)
+        raise InvalidInput(field, f"dtype must be {names}; got {dtype_name(tensor.dtype)}")
+    shape = tensor.shape  # one container: each attribute read builds another
+    want_rank = 1 if kind == "token_ids" else 2
+    if len(shape) != want_rank:
+        want = "[T]" if want_rank == 1 else f"[T, {spec.d_model}]"
+        raise InvalidInput(field, f"shape must be {want}; got {list(shape)}")
+    try:
+        return from_tensor(tensor)
+    except TensorError as exc:
+        raise InvalidInput(field, str(exc)) from None
+
+
+def plan_request(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> Plan:
+    """An EncodeRequest's plan, on the calling thread (what `encode` plans; for tests and benchmarks)."""
+    return plan(ask_of(request, spec, config), spec, config, NAMES, response_bytes)

@@ -8,6 +8,7 @@ server without importing the model stack (torch).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.doors.attention_v1 import AttentionServicer
-from service.doors.calls import Calls
+from service.doors.calls import Calls, Serving
 from service.doors.grpc_metrics import MetricsInterceptor
 from service.doors.kserve_v2 import SERVICE_NAME as KSERVE_NAME
 from service.doors.kserve_v2 import KServeServicer
@@ -124,3 +125,30 @@ def ledger(registry: CollectorRegistry) -> dict[str, Any]:
             "dropped": {k: int(v) for k, v in dropped.items() if v},
             "queue_depth": int(values.get("attention_queue_depth", 0)),
             "batched_sequences": int(values.get("attention_batch_size_sum", 0))}
+
+
+class GrpcFront:
+    """The drain's view of a gRPC server (service/process.py `Front`), in this process or an edge process.
+
+    The server keeps accepting through the grace, its handlers refusing new calls UNAVAILABLE "shutting
+    down", and stops (listener closed, GOAWAY) only once the model has answered what it admitted: a call
+    that arrives in the last moment is refused by us, never cancelled by grpcio's stop racing the refusal.
+    """
+
+    def __init__(self, server: grpc.aio.Server, serving: Serving) -> None:
+        self._server = server
+        self._serving = serving
+        self._deadline = 0.0
+
+    def announce(self, grace: float) -> None:
+        pass
+
+    def refuse(self) -> None:
+        self._serving.draining = True
+
+    def close(self, grace: float) -> None:
+        self._deadline = time.monotonic() + grace
+
+    async def closed(self, margin: float) -> None:
+        # What is left: answers being sent, refusals being made; they finish well within `margin`.
+        await self._server.stop(max(margin, self._deadline - time.monotonic()))

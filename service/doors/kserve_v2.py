@@ -4,7 +4,7 @@ The messages are the ones `tritonclient` ships (`tritonclient.grpc.service_pb2`,
 so the wire is upstream's and shares its descriptors with any tritonclient in the process. Calls
 take the same path as attention.v1 (service/doors/calls.py: admission, the batcher, the outcome, the stream
 loop; the same error table and metrics): each row of `input_ids` is one sequence in the same batches
-as Encode's. Choices a Triton user would look for (README "Calling it from tritonclient" has the
+as Encode's. Choices a Triton user would look for (docs/kserve.md has the
 tables):
 
 - unknown model or version: NOT_FOUND "Request for unknown model: ..." (Triton's text); ModelReady
@@ -26,9 +26,8 @@ tables):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import re
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -38,19 +37,31 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as v2
 
-from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import float32_to_bfloat16_bits
 from service.batching import Done
-from service.chunking import CHUNK, ERROR, MODES, TRUNCATE, LongInputs, choose, stitch_all
+from service.chunking import ERROR, MODES, TRUNCATE, stitch_all
+from service.config import ServiceConfig
 from service.doors.calls import Calls, parse, public, remaining
-from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, status_of
-from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, ModelSpec, Output
+from service.errors import FailedPrecondition, InvalidInput, NotFound, ServiceError, shown, status_of
+from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_arrays
+from service.plan import (
+    HEADS,
+    ITEMSIZE,
+    MAX_REQUEST_ID,
+    Ask,
+    Names,
+    Plan,
+    Sizes,
+    attention_bytes,
+    check_count,
+    plan_call,
+    takes_text,
+)
 
 if TYPE_CHECKING:
-    from model.text import Encoded
-from service.validation import MAX_REQUEST_ID, TOKENIZE_INLINE_CHARS, tokenize, validate_rows
+    pass
 
 SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 SERVER_NAME = "attention-service"
@@ -62,23 +73,21 @@ IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
 HIDDEN, POOLED, EMBEDDINGS, ATTENTION = "last_hidden_state", "pooled", "embeddings", "attention"
 DEFAULT_OUTPUTS = (HIDDEN, POOLED)
 _INT_TYPES: dict[str, np.dtype[Any]] = {"INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
-_FLOAT_TYPES = {"FP32": pb.DTYPE_FLOAT32, "FP16": pb.DTYPE_FLOAT16, "BF16": pb.DTYPE_BFLOAT16}
+_FLOAT_TYPES = _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
 _ITEMSIZE = {"FP32": 4, "FP16": 2, "BF16": 2}
-_POOLINGS = {"mean": POOL_MEAN, "cls": POOL_CLS, "model": pb.POOLING_MODEL}  # model: a text bundle's own
-_HEADS = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
+_POOLINGS = ("mean", "cls", "model")  # model: a text bundle's own
 # Request parameters tritonclient or Triton itself may send, accepted and not acted on.
 _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
                          "chunk_stride"}) | _IGNORED
 _INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
-_PLAIN = re.compile(r"[A-Za-z0-9_.,:+-]{1,64}")
 
 
 class KServeServicer:
-    def __init__(self, edge: Calls, metrics: Metrics, workers: int = 1) -> None:
-        self._edge = edge
-        self._config = edge.config
+    def __init__(self, calls: Calls, metrics: Metrics, workers: int = 1) -> None:
+        self._calls = calls
+        self._config = calls.config
         self._metrics = metrics
         self._workers = workers
         self._last_inference_ms = 0
@@ -107,7 +116,7 @@ class KServeServicer:
                 data: bytes = handle(parse(request_type, raw)).SerializeToString()
                 return data
 
-            return await self._edge.answer(method, context, work)
+            return await self._calls.answer(method, context, work)
 
         return call
 
@@ -117,7 +126,7 @@ class KServeServicer:
             data: bytes = (await self._infer(request, remaining(context, self._config))).SerializeToString()
             return data
 
-        return await self._edge.answer("ModelInfer", context, work)
+        return await self._calls.answer("ModelInfer", context, work)
 
     async def model_stream_infer(self, requests: AsyncIterator[bytes],
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -130,7 +139,8 @@ class KServeServicer:
             async def work() -> bytes:
                 nonlocal request_id, final
                 request = parse(v2.ModelInferRequest, raw)
-                request_id = request.id
+                if len(request.id) <= MAX_REQUEST_ID:  # echoed in a refusal too: never a long one
+                    request_id = request.id
                 final = _final_flag(request)
                 response = v2.ModelStreamInferResponse(
                     infer_response=await self._infer(request, remaining(context, self._config)))
@@ -148,9 +158,9 @@ class KServeServicer:
                 data: bytes = response.SerializeToString()
                 return data
 
-            return await self._edge.answer_in_stream("ModelStreamInfer", work, failed)
+            return await self._calls.answer_in_stream("ModelStreamInfer", work, failed)
 
-        async with contextlib.aclosing(self._edge.stream(requests, one)) as responses:
+        async with contextlib.aclosing(self._calls.stream(requests, one)) as responses:
             async for response in responses:
                 yield response
 
@@ -159,18 +169,18 @@ class KServeServicer:
     def _ready(self) -> bool:
         # attention_ready is the readiness grpc.health.v1 reports: 1 once warm, 0 from the moment a
         # shutdown starts (through the drain delay, while calls are still served).
-        return self._edge.serving.spec is not None and self._sample("attention_ready") == 1
+        return self._calls.serving.spec is not None and self._sample("attention_ready") == 1
 
     def _model_ready(self, request: Any) -> Any:
-        spec = self._edge.serving.spec
+        spec = self._calls.serving.spec
         known = spec is not None and _names(spec, request.name, request.version)
         return v2.ModelReadyResponse(ready=known and self._ready())
 
     def _served(self, name: str, version: str) -> ModelSpec:
-        spec, _ = self._edge.serving.require_ready()
+        spec, _ = self._calls.serving.require_ready()
         if not _names(spec, name, version):
-            version_text = f" version {_shown(version, quote=False)}" if version else ""
-            raise NotFound(f"Request for unknown model: {_shown(name)}{version_text} is not found")
+            version_text = f" version {shown(version, quote=False)}" if version else ""
+            raise NotFound(f"Request for unknown model: {shown(name)}{version_text} is not found")
         return spec
 
     def _model_metadata(self, request: Any) -> Any:
@@ -222,7 +232,7 @@ class KServeServicer:
         if request.name:
             spec = self._served(request.name, request.version)
         else:
-            spec, _ = self._edge.serving.require_ready()
+            spec, _ = self._calls.serving.require_ready()
         stats = v2.ModelStatistics(
             name=spec.name, version=spec.version, last_inference=self._last_inference_ms,
             inference_count=int(self._sample("attention_sequences_total")),
@@ -256,50 +266,34 @@ class KServeServicer:
 
     # -- inference --------------------------------------------------------------------------------
 
-    async def _tokenized(self, texts: list[str], spec: ModelSpec, params: dict[str, Any],
-                         long: LongInputs) -> list[Encoded]:
-        """The `text` rows tokenized (off the event loop for a big call), every text limit checked."""
-        prompt = params.get("prompt_name", "")
-        if not isinstance(prompt, str):
-            raise InvalidInput("parameters.prompt_name", f"must be a string; got {_shown(prompt)}")
-        fields = [f"{TEXT}[{i}]" for i in range(len(texts))]
-
-        def run() -> list[Encoded]:
-            return tokenize(texts, spec, self._config, fields=fields, truncate=long.mode == TRUNCATE,
-                            keep_long=long.mode == CHUNK, prompt_name=prompt, all_field=TEXT,
-                            prompt_field="parameters.prompt_name")
-
-        return await asyncio.to_thread(run) if sum(map(len, texts)) > TOKENIZE_INLINE_CHARS else run()
-
     async def _infer(self, request: Any, seconds: float) -> Any:
-        if len(request.id) > MAX_REQUEST_ID:
-            raise InvalidInput("id", f"at most {MAX_REQUEST_ID} characters; got {len(request.id)}")
         params = _parameters(request.parameters)
         if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
             seconds = min(seconds, timeout_us / 1e6)
         spec = self._served(request.model_name, request.model_version)
-        inputs, texts = _inputs(request)
         outputs = _requested(request, self._config.allow_attention)
-        options = _options(params, outputs, text_model=spec.tokenizer is not None)
-        window = spec.tokenizer.settings.max_tokens if texts is not None and spec.tokenizer is not None else 0
-        long = _long_inputs(params, window or spec.max_length)
-        cut_text = False
+        inputs, texts = _inputs(request, spec, self._config)
+        ask = _ask(request, params, outputs, spec)
         if texts is not None:
-            encoded = await self._tokenized(texts, spec, params, long)
-            rows, field, cut_text = [enc.ids for enc in encoded], TEXT, any(enc.truncated for enc in encoded)
-            T = max(len(row) for row in rows)
+            ask = dataclasses.replace(ask, inputs=texts)
+            names, padded_to = TEXT_NAMES, 0  # padded to the longest tokenized text
         else:
             ids = inputs.get(IDS)
             if ids is None:
                 raise InvalidInput(IDS, f"required (INT32 or INT64, [batch, T]), or {TEXT} (BYTES, [batch])")
             batch, T = ids.shape
             lengths = _lengths(inputs, batch, T)
-            rows, field = [ids[i, : lengths[i]] for i in range(batch)], IDS
-            if long.mode == TRUNCATE:
-                T = min(T, spec.max_length)
-        plan = validate_rows(rows, field, *options, spec, self._config, request_id=request.id, padded_to=T,
-                             layers_field="attention_layers", long=long, window=window, attention_field=ATTENTION)
-        done = await self._edge.compute(plan.jobs, seconds)
+            ask = dataclasses.replace(ask, inputs=[ids[i, : lengths[i]] for i in range(batch)])
+            names, padded_to = IDS_NAMES, T
+            if _truncating(ask):
+                padded_to = min(T, spec.max_length)
+
+        def sizes(plan: Plan, spec: ModelSpec) -> Sizes:
+            return _sizes(plan, spec, padded_to or max(job.length for job in plan.sequences))
+
+        plan = await plan_call(ask, spec, self._config, names, sizes)
+        T = padded_to or max(job.length for job in plan.sequences)
+        done = await self._calls.compute(plan.jobs, seconds)
         results = [d.output for d in done]
         if plan.chunks:
             results = stitch_all(plan.chunks, results)
@@ -308,36 +302,42 @@ class KServeServicer:
             check_arrays(name, arrays, _FLOAT_TYPES[datatype])
         self._last_inference_ms = int(time.time() * 1e3)
         response = _response(request, spec, done, results, outputs, T)
-        if cut_text or plan.truncated:
+        if any(plan.cut(i) for i in range(len(results))):
             response.parameters["truncated"].bool_param = True
         if plan.chunks:
             response.parameters["windows"].int64_param = sum(len(c.starts) for c in plan.chunks if c is not None)
         return response
 
 
-def _long_inputs(params: dict[str, Any], window: int) -> LongInputs:
-    """`long_inputs`, `truncate` and `chunk_stride` as the call's choice (attention.v1's rules)."""
-    truncate = params.get("truncate", False)
-    if not isinstance(truncate, bool):
-        raise InvalidInput("parameters.truncate", f"must be a bool; got {_shown(truncate)}")
-    mode = _str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None
-    return choose(mode, truncate, _int_param(params, "chunk_stride", 0), mode_field="parameters.long_inputs",
-                  stride_field="parameters.chunk_stride", windows=[window])
+# The plan's field names, as this door's wire has them (service/plan.py `Names`).
+IDS_NAMES = Names(
+    sequences=IDS, sequence="{kind}[{i}]", element="{kind}[{i}, {j}]",
+    kinds=(("ids", IDS), ("embeddings", EMBEDDINGS), ("text", TEXT)), request_id="id", output="outputs",
+    pooling="parameters.pooling", normalize="parameters.normalize", dtype="parameters.datatype",
+    prompt_name="parameters.prompt_name", return_attention=ATTENTION, attention=ATTENTION,
+    attention_layers="attention_layers", heads="parameters.attention_heads",
+    attention_dtype="parameters.attention_datatype", long_inputs="parameters.long_inputs",
+    chunk_stride="parameters.chunk_stride", texts=TEXT)
+TEXT_NAMES = dataclasses.replace(IDS_NAMES, sequences=TEXT)
+
+
+def _truncating(ask: Ask) -> bool:
+    return ask.long_inputs == TRUNCATE or (ask.long_inputs is None and ask.truncate)
+
+
+def _sizes(plan: Plan, spec: ModelSpec, padded_to: int) -> Sizes:
+    """A KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope."""
+    per_value = ITEMSIZE[plan.output_dtype]
+    hidden = sum(padded_to for job in plan.sequences if job.return_hidden) * spec.d_model * per_value
+    pooled = sum(1 for job in plan.sequences if job.pooling) * spec.d_model * per_value
+    attention = attention_bytes(plan, spec, padded_to)
+    return Sizes(attention, hidden + pooled + attention + 1024 + len(plan.request_id))  # + names, shapes, params
 
 
 def _final_flag(request: Any) -> bool:
     """Triton's `triton_enable_empty_final_response`: mark each (single) response as the request's last."""
     flag = request.parameters.get("triton_enable_empty_final_response")
     return flag is not None and flag.bool_param
-
-
-def _shown(value: Any, quote: bool = True) -> str:
-    """A caller's value in a message: only when short and plain, so no request data (or a path, or
-    control characters) is echoed back."""
-    text = str(value)
-    if not _PLAIN.fullmatch(text):
-        return "(not shown)"
-    return repr(text) if quote and isinstance(value, str) else text
 
 
 def _names(spec: ModelSpec, name: str, version: str) -> bool:
@@ -353,7 +353,7 @@ def _parameters(parameters: Any) -> dict[str, Any]:
     values = {}
     for name, value in parameters.items():
         if name not in _PARAMETERS:
-            raise InvalidInput(f"parameters.{_shown(name, quote=False)}",
+            raise InvalidInput(f"parameters.{shown(name, quote=False)}",
                                f"unknown parameter; known: {', '.join(sorted(_PARAMETERS))}")
         kind = value.WhichOneof("parameter_choice")
         values[name] = None if kind is None else getattr(value, kind)
@@ -363,42 +363,41 @@ def _parameters(parameters: Any) -> dict[str, Any]:
 def _str_param(params: dict[str, Any], name: str, allowed: Sequence[str], default: str) -> str:
     value = params.get(name, default)
     if not isinstance(value, str) or value.lower() not in allowed:
-        raise InvalidInput(f"parameters.{name}", f"must be one of {', '.join(allowed)}; got {_shown(value)}")
+        raise InvalidInput(f"parameters.{name}", f"must be one of {', '.join(allowed)}; got {shown(value)}")
     return value.lower()
 
 
 def _int_param(params: dict[str, Any], name: str, default: int) -> int:
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {_shown(value)}")
+        raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {shown(value)}")
     return value
 
 
-def _layers(params: dict[str, Any]) -> list[int]:
+def _layers(params: dict[str, Any]) -> tuple[int, ...]:
     """`attention_layers`: an int64, or a string of comma-separated ints ("0,-1"); absent = all."""
     value = params.get("attention_layers")
     if value is None:
-        return []
+        return ()
     if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
+        return (value,)
     try:
-        if isinstance(value, str):
-            return [int(part) for part in value.split(",")]
+        if isinstance(value, str) and len(value) <= 1024:  # the plan checks each against the model's layers
+            return tuple(int(part) for part in value.split(","))
     except ValueError:
         pass
-    raise InvalidInput("parameters.attention_layers", f"must be an int or comma-separated ints; got {_shown(value)}")
+    raise InvalidInput("parameters.attention_layers", f"must be an int or comma-separated ints; got {shown(value)}")
 
 
-def _options(params: dict[str, Any], outputs: dict[str, str], *, text_model: bool = False,
-             ) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
-    """The v2 request's outputs and parameters as our contract's options (validated by validate_rows).
-    A text model pools and normalises as the bundle says unless the parameters say otherwise."""
+def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: ModelSpec) -> Ask:
+    """The v2 request's outputs and parameters as the plan's `Ask` (inputs filled in by the caller). A
+    text model pools and normalises as the bundle says unless the parameters say otherwise."""
     pooled = POOLED in outputs or EMBEDDINGS in outputs
     for name in ("pooling", "normalize"):
         if name in params and not pooled:
             raise InvalidInput(f"parameters.{name}", "given, but no pooled (or embeddings) output requested")
-    default = "model" if text_model else "mean"
-    pooling = _POOLINGS[_str_param(params, "pooling", list(_POOLINGS), default)] if pooled else POOL_NONE
+    default = "model" if spec.tokenizer is not None else "mean"
+    pooling = _str_param(params, "pooling", _POOLINGS, default) if pooled else "none"
     floats = [outputs_dtype for name, outputs_dtype in outputs.items() if name != ATTENTION]
     # Sized by the widest of the hidden and pooled outputs (each is converted on its own when sent).
     dtype = max(floats, key=_ITEMSIZE.__getitem__) if floats else "FP32"
@@ -406,16 +405,23 @@ def _options(params: dict[str, Any], outputs: dict[str, str], *, text_model: boo
     for name in ("attention_layers", "attention_heads", "attention_datatype"):
         if name in params and not wants_attention:
             raise InvalidInput(f"parameters.{name}", "given, but the attention output is not requested")
-    heads = _HEADS[_str_param(params, "attention_heads", list(_HEADS), "all")]
-    output = pb.OutputOptions(return_hidden=HIDDEN in outputs, pooling=pooling,  # type: ignore[arg-type]
-                              dtype=_FLOAT_TYPES[dtype])
-    if "normalize" in params:
-        if not isinstance(params["normalize"], bool):
-            raise InvalidInput("parameters.normalize", f"must be a bool; got {_shown(params['normalize'])}")
-        output.normalize = params["normalize"]
-    return (output,
-            pb.AttentionOptions(return_attention=wants_attention, layers=_layers(params), heads=heads,
-                                dtype=_FLOAT_TYPES[outputs.get(ATTENTION, "FP32")]))
+    normalize = params.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise InvalidInput("parameters.normalize", f"must be a bool; got {shown(normalize)}")
+    prompt = params.get("prompt_name", "")
+    if not isinstance(prompt, str):
+        raise InvalidInput("parameters.prompt_name", f"must be a string; got {shown(prompt)}")
+    truncate = params.get("truncate", False)
+    if not isinstance(truncate, bool):
+        raise InvalidInput("parameters.truncate", f"must be a bool; got {shown(truncate)}")
+    return Ask(
+        inputs=(), request_id=request.id, return_hidden=HIDDEN in outputs, pooling=pooling, normalize=normalize,
+        dtype=_DTYPE[dtype], attention=_layers(params) if wants_attention else None,
+        heads=_str_param(params, "attention_heads", HEADS, "all"),
+        attention_dtype=_DTYPE[outputs.get(ATTENTION, "FP32")],
+        long_inputs=_str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None,
+        truncate=truncate, chunk_stride=_int_param(params, "chunk_stride", 0), prompt_name=prompt,
+    )
 
 
 def _requested(request: Any, allow_attention: bool) -> dict[str, str]:
@@ -428,12 +434,12 @@ def _requested(request: Any, allow_attention: bool) -> dict[str, str]:
     for i, output in enumerate(request.outputs):
         if output.name not in known:
             raise InvalidInput(f"outputs[{i}]",
-                               f"unknown output {_shown(output.name)}; this model has {', '.join(known)}")
+                               f"unknown output {shown(output.name)}; this model has {', '.join(known)}")
         if output.name in outputs:
             raise InvalidInput(output.name, "requested twice")
         for name in output.parameters:
             if name != "datatype":
-                raise InvalidInput(f"{output.name}.parameters.{_shown(name, quote=False)}",
+                raise InvalidInput(f"{output.name}.parameters.{shown(name, quote=False)}",
                                    "not supported (only datatype)")
         if output.name == ATTENTION and not allow_attention:
             raise FailedPrecondition("attention output is disabled on this deployment")
@@ -449,13 +455,14 @@ def _float_param(parameters: Any, name: str, field: str, default: str = "FP32") 
         return default
     value: str = parameters[name].string_param.upper()
     if value not in _FLOAT_TYPES:
-        raise InvalidInput(field, f"must be FP32, FP16 or BF16; got {_shown(parameters[name].string_param)}")
+        raise InvalidInput(field, f"must be FP32, FP16 or BF16; got {shown(parameters[name].string_param)}")
     return value
 
 
-def _inputs(request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
+def _inputs(request: Any, spec: ModelSpec, config: ServiceConfig) -> tuple[dict[str, np.ndarray], list[str] | None]:
     """Input name -> array ([batch, T] ints), from raw_input_contents or the typed contents; and the
-    `text` rows, when given (then no other input may be)."""
+    `text` rows, when given (then no other input may be). Counts and byte sizes are checked before any
+    tensor is decoded."""
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidInput("raw_input_contents", f"holds {len(raw)} tensors for {len(request.inputs)} inputs")
@@ -464,15 +471,15 @@ def _inputs(request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
     for i, tensor in enumerate(request.inputs):
         name = tensor.name
         if name not in (IDS, MASK, TYPES, TEXT):
-            raise InvalidInput(f"inputs[{i}]", f"unknown input {_shown(name)}; this model takes {IDS}, {MASK}, {TYPES}")
+            raise InvalidInput(f"inputs[{i}]", f"unknown input {shown(name)}; this model takes {input_names(spec)}")
         if name in arrays or (name == TEXT and texts is not None):
             raise InvalidInput(name, "given twice")
         if any(key.startswith("shared_memory") for key in tensor.parameters):
             raise InvalidInput(name, "shared-memory inputs are not supported; send the data in the request")
         if name == TEXT:
-            texts = _decode_text(tensor, raw[i] if raw else None)
+            texts = _decode_text(tensor, raw[i] if raw else None, spec, config)
             continue
-        arrays[name] = _decode(tensor, raw[i] if raw else None)
+        arrays[name] = _decode(tensor, raw[i] if raw else None, config)
     if texts is not None and arrays:
         raise InvalidInput(TEXT, f"send {TEXT} or {IDS} (with {MASK}), not both")
     shape = arrays[IDS].shape if IDS in arrays else None
@@ -482,28 +489,43 @@ def _inputs(request: Any) -> tuple[dict[str, np.ndarray], list[str] | None]:
     return arrays, texts
 
 
-def _decode_text(tensor: Any, raw: bytes | None) -> list[str]:
+def input_names(spec: ModelSpec) -> str:
+    """The inputs this door takes for `spec`, as its messages list them."""
+    return ", ".join((IDS, MASK, TYPES, TEXT) if spec.tokenizer is not None else (IDS, MASK, TYPES))
+
+
+def _decode_text(tensor: Any, raw: bytes | None, spec: ModelSpec, config: ServiceConfig) -> list[str]:
     """A BYTES tensor of [batch] (or [batch, 1]) UTF-8 strings: raw (each a 4-byte little-endian length,
-    then the bytes, as tritonclient serializes them) or typed (bytes_contents)."""
+    then the bytes, as tritonclient serializes them) or typed (bytes_contents). The batch, the model's
+    taking text and the bytes against the call's character limit are checked before anything is decoded."""
     shape = [int(d) for d in tensor.shape]
     if tensor.datatype != "BYTES":
-        raise InvalidInput(TEXT, f"datatype must be BYTES; got {_shown(tensor.datatype)}")
+        raise InvalidInput(TEXT, f"datatype must be BYTES; got {shown(tensor.datatype)}")
     if not (len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)) or shape[0] < 1:
         raise InvalidInput(TEXT, f"shape must be [batch] or [batch, 1], batch at least 1; got {shape}")
     count = shape[0]
+    check_count(count, config, TEXT)
+    takes_text(spec, f"{TEXT}[0]")
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(TEXT, "data given both in raw_input_contents and in contents")
-        items: list[bytes] = []
+        size = len(raw) - 4 * count
+    else:
+        size = sum(len(item) for item in tensor.contents.bytes_contents)
+    if size > 4 * config.max_text_chars:  # UTF-8: at most 4 bytes a character
+        raise InvalidInput(TEXT, f"{size} bytes of text in all; at most {config.max_text_chars} characters per call")
+    if raw is not None:
+        view = memoryview(raw)
+        items: list[bytes | memoryview] = []
         at = 0
-        while at < len(raw) and len(items) <= count:
-            if at + 4 > len(raw):
+        while at < len(view) and len(items) <= count:
+            if at + 4 > len(view):
                 raise InvalidInput(TEXT, "raw contents end inside a length prefix")
-            size = int.from_bytes(raw[at: at + 4], "little")
-            if at + 4 + size > len(raw):
+            length = int.from_bytes(view[at: at + 4], "little")
+            if at + 4 + length > len(view):
                 raise InvalidInput(TEXT, f"raw contents end inside element {len(items)}")
-            items.append(raw[at + 4: at + 4 + size])
-            at += 4 + size
+            items.append(view[at + 4: at + 4 + length])
+            at += 4 + length
     else:
         items = list(tensor.contents.bytes_contents)
     if len(items) != count:
@@ -517,12 +539,13 @@ def _decode_text(tensor: Any, raw: bytes | None) -> list[str]:
     return texts
 
 
-def _decode(tensor: Any, raw: bytes | None) -> np.ndarray:
+def _decode(tensor: Any, raw: bytes | None, config: ServiceConfig) -> np.ndarray:
     name, datatype, shape = tensor.name, tensor.datatype, [int(d) for d in tensor.shape]
     if datatype not in _INT_TYPES:
-        raise InvalidInput(name, f"datatype must be INT32 or INT64; got {_shown(datatype)}")
+        raise InvalidInput(name, f"datatype must be INT32 or INT64; got {shown(datatype)}")
     if len(shape) != 2 or min(shape) < 1:
         raise InvalidInput(name, f"shape must be [batch, T], both at least 1; got {shape}")
+    check_count(shape[0], config, name)
     dtype = _INT_TYPES[datatype]
     count = shape[0] * shape[1]
     if raw is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -21,17 +22,16 @@ import signal
 import sys
 from pathlib import Path
 
-from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry, multiprocess
 
-from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.doors.calls import Calls, Serving
-from service.doors.front import build_front, ledger
-from service.doors.http.door import HttpDoor
+from service.doors.front import GrpcFront, build_front, ledger
+from service.doors.http.door import Fronts, HttpDoor, HttpFront
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.remote import ModelClient
+from service.process import Lifecycle
 
 log = logging.getLogger("service.edge_process")
 SOCKET = "model.sock"
@@ -45,7 +45,9 @@ async def run(directory: Path) -> int:
     metrics.view = CollectorRegistry()  # read back (KServe statistics, readiness): every process's, summed
     multiprocess.MultiProcessCollector(metrics.view, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
     serving = Serving()
-    health_servicer = health.aio.HealthServicer()
+    # The model process serves /metrics and the health port; an edge serves its share of the gRPC port.
+    lifecycle = Lifecycle(dataclasses.replace(config, metrics_port=-1, health_port=-1, ready_file=""), metrics,
+                          registry)
     limit = frames.max_frame(config.max_message_bytes)
     try:
         reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
@@ -57,13 +59,13 @@ async def run(directory: Path) -> int:
         log.error("the model process sent frame kind %d before HELLO", kind)
         return 1
     spec, workers = frames.read_hello(body)
-    edge = Calls(config, serving, metrics)
+    calls = Calls(config, serving, metrics)
     try:
-        front = build_front(config, edge, metrics, health_servicer, workers, reuse_port=True)
-        # The HTTP door on the HTTP port the model process holds, shared the same way.
-        http = HttpDoor(config, edge, metrics, front.servicer, front.kserve, reuse_port=True) \
+        front = build_front(config, calls, metrics, lifecycle.health, workers, reuse_port=True)
+        # The HTTP door on the HTTP port the model process holds, shared the same way (docs/http.md).
+        http = HttpDoor(config, calls, metrics, front.servicer, front.kserve, reuse_port=True) \
             if config.http_port >= 0 else None
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 1
     loop = asyncio.get_running_loop()
@@ -71,26 +73,21 @@ async def run(directory: Path) -> int:
     lost = asyncio.Event()
     client = ModelClient(reader, writer, limit, drains.put_nowait, lost.set)
     metrics.queue_limit_tokens.set(config.max_queue_tokens)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await lifecycle.open()
     await front.grpc.start()
     if http is not None:
         await http.start()
     serving.spec, serving.batcher = spec, client
-    metrics.ready.set(1)
+    await lifecycle.serving({})
     client.start()
     client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": front.port}))
     log.info("serving on %s:%d (%s, %s), pid %d", config.host, front.port, "TLS" if front.tls else "plaintext",
              f"{front.tokens} bearer tokens" if front.tokens else "no token auth", os.getpid())
 
     async def stop(grace: float) -> None:
-        await health_servicer.enter_graceful_shutdown()
-        metrics.ready.set(0)
-        if grace > 0 and config.drain_delay_s > 0:
-            await asyncio.sleep(config.drain_delay_s)
-        serving.draining = True  # new calls that still reach a handler: UNAVAILABLE "shutting down"
         # The model process answers every accepted job before the grace ends (as one process does).
-        await asyncio.gather(front.grpc.stop(grace), http.stop(grace) if http is not None else asyncio.sleep(0))
+        await lifecycle.drain(grace, Fronts(GrpcFront(front.grpc, serving),
+                                            HttpFront(http, serving) if http is not None else None), None)
 
     drain = asyncio.create_task(drains.get())
     gone = asyncio.create_task(lost.wait())

@@ -44,7 +44,7 @@ _IDS, _EMBEDDINGS, _CAUSAL, _HEADS_MEAN, _HIDDEN, _NORMALIZE = (1 << i for i in 
 
 
 # What SUBMIT and RESULT carry of a Job, an Output and a Done: a field added there must be added here
-# too (tests/test_multiproc.py holds these to the dataclasses, so none is dropped silently).
+# too (tests/service/test_multiproc.py holds these to the dataclasses, so none is dropped silently).
 JOB_FIELDS = frozenset({"token_ids", "embeddings", "causal", "attn_layers", "heads_mean", "pooling",
                         "return_hidden", "normalize"})
 OUTPUT_FIELDS = frozenset({"hidden", "pooled", "attention", "fp32_rerun"})

@@ -1,7 +1,7 @@
 """The model process of `edge_processes` > 0: `serve_with_edges(config)` is `python -m service` then.
 
-It owns the device, the runner, the model threads and the one batcher (service/server.py
-`start_model`), and serves them to its edge processes (service/multiproc/edge_worker.py) over a Unix
+It owns the device, the runner, the model threads and the one batcher (service/engine.py
+`Engine`), and serves them to its edge processes (service/multiproc/edge_worker.py) over a Unix
 socket in a private directory (mode 0700, removed at exit). It also serves /metrics (every
 process's, summed by prometheus_client's MultiProcessCollector) and the plaintext health port.
 
@@ -44,29 +44,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2
-from prometheus_client import CollectorRegistry, multiprocess, start_http_server, values
+from prometheus_client import CollectorRegistry, multiprocess, values
 
-from proto.attention.v1.codec import SERVICE_NAME
-from service.batching import Batcher, Item, ModelThreads, Request
+from service.batching import Batcher, Item, Request
 from service.config import ServiceConfig
-from service.doors.front import ledger
+from service.engine import Engine
 from service.errors import ModelFailure, ServiceError
 from service.fault_hooks import FaultHooks
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.edge_worker import CONFIG, SOCKET
-from service.server import (
-    _write_json,
-    drain_on_signal,
-    exit_after,
-    health_server,
-    model_workers,
-    signal_queue,
-    start_model,
-)
+from service.process import Lifecycle, port_error, run, signal_queue
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +82,7 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int, IO[str]]:
         holder.bind(address)
     except OSError as exc:
         holder.close()
-        raise OSError(f"Failed to bind to address {host}:{port}: {exc.strerror or exc}") from None
+        raise OSError(port_error("gRPC", host, port, exc, "ATTN_PORT / --port")) from None
     port = holder.getsockname()[1]
     lock = open(Path(tempfile.gettempdir()) / f"attention-service-{os.getuid()}-port-{port}.lock", "a")  # noqa: SIM115
     try:
@@ -101,7 +90,8 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int, IO[str]]:
     except BlockingIOError:
         holder.close()
         lock.close()
-        raise OSError(f"Failed to bind to address {host}:{port}: held by another service's edge processes") from None
+        raise OSError(port_error("gRPC", host, port, "held by another service's edge processes",
+                                 "ATTN_PORT / --port")) from None
     return holder, port, lock
 
 
@@ -114,23 +104,23 @@ class EdgeSlot:
 
 
 class ModelHost:
+    """The model process: the engine, the edge processes it spawns, and the socket they reach it on."""
+
     def __init__(self, config: ServiceConfig, directory: Path, port: int, http_port: int = -1) -> None:
         self.config = config
         self.directory = directory
         self.port = port
-        self.http_port = http_port  # the HTTP door's, held like the gRPC port (-1: off)
+        self.http_port = http_port  # the HTTP door's (docs/http.md), held like the gRPC port; -1: off
         self.metrics = Metrics(CollectorRegistry())
         self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
         multiprocess.MultiProcessCollector(self.totals, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
-        self.health = health.aio.HealthServicer()
-        self.health_grpc: grpc.aio.Server | None = None
-        self.health_port = 0
-        if config.health_port >= 0:
-            self.health_grpc, self.health_port = health_server(config, self.health)
+        self.lifecycle = Lifecycle(config, self.metrics, self.totals)
+        self.health = self.lifecycle.health
         self.hooks = FaultHooks.from_config(config)
-        self.workers = model_workers(config)
-        self.threads = ModelThreads(self.workers)
+        self.engine = Engine(config, self.metrics, self.hooks)
+        self.threads = self.engine.threads
+        self.workers = self.engine.workers
         self.slots = [EdgeSlot(i) for i in range(config.edge_processes)]
         self.batcher: Batcher[Job] | None = None
         self.spec: ModelSpec | None = None
@@ -139,29 +129,25 @@ class ModelHost:
         self._crashes: list[float] = []
         self._watchers: list[asyncio.Task[None]] = []
         self._unix: asyncio.Server | None = None
-        self._httpd: Any = None
-        self.metrics_port = 0
         self.startup: asyncio.Task[None] | None = None
         self.max_frame = frames.max_frame(config.max_message_bytes)
 
+    @property
+    def metrics_port(self) -> int:
+        return self.lifecycle.metrics_port
+
+    @property
+    def health_port(self) -> int:
+        return self.lifecycle.health_port
+
     async def start(self) -> None:
-        if self.config.metrics_port >= 0:
-            host = self.config.metrics_host or self.config.host
-            try:
-                self._httpd, _ = start_http_server(self.config.metrics_port, host, registry=self.totals)
-            except OSError as exc:
-                raise OSError(f"metrics port {host}:{self.config.metrics_port}: {exc.strerror or exc}") from None
-            self.metrics_port = self._httpd.server_port
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        if self.health_grpc is not None:
-            await self.health_grpc.start()
-        self.threads.start()
+        await self.lifecycle.open()
+        self.engine.start()
         self.startup = asyncio.create_task(self._load_and_start_edges())
 
     async def _load_and_start_edges(self) -> None:
         config = self.config
-        self.batcher, self.spec = await start_model(config, self.metrics, self.threads, self.hooks)
+        self.batcher, self.spec = await self.engine.load()
         edge_config = {**_fields(config), "port": self.port, "http_port": self.http_port, "ready_file": ""}
         # 0600 in a 0700 directory: it holds the bearer tokens, if any.
         with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
@@ -172,16 +158,12 @@ class ModelHost:
         await asyncio.gather(*(slot.ready.wait() for slot in self.slots))
         if self.stopping:
             return
-        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        self.metrics.ready.set(1)
+        await self.lifecycle.serving({
+            "port": self.port, "http_port": max(self.http_port, 0),
+            "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
         spec = self.spec
         log.info("serving %s v%s on %s:%d through %d edge processes (%s, %s)", spec.name, spec.version,
                  config.host, self.port, len(self.slots), spec.device, spec.precision)
-        if config.ready_file:
-            _write_json(config.ready_file, {
-                "port": self.port, "metrics_port": self.metrics_port, "health_port": self.health_port,
-                "http_port": max(self.http_port, 0), "pid": os.getpid(),
-                "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
 
     async def _spawn(self, slot: EdgeSlot) -> None:
         slot.ready.clear()
@@ -273,36 +255,22 @@ class ModelHost:
                 log.error("a job failed (ref=%s)", exc.ref, exc_info=future.exception())
             writer.write(frames.error(call, index, exc))
 
-    # -- shutdown --------------------------------------------------------------------------------------
+    # -- shutdown: service/process.py `Lifecycle.drain`, with the edges as the front ---------------------
 
-    def _tell_edges(self, grace: float) -> None:
+    def announce(self, grace: float) -> None:
+        self.stopping = True
         for slot in self.slots:
             if slot.writer is not None and not slot.writer.is_closing():
                 slot.writer.write(frames.drain(grace))
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Drain and stop every process. `grace` defaults to `drain_grace_s`; 0 stops at once."""
-        grace = self.config.drain_grace_s if grace is None else grace
-        self.stopping = True
-        self._tell_edges(grace)
-        await self.health.enter_graceful_shutdown()
-        self.metrics.ready.set(0)
-        if grace > 0 and self.config.drain_delay_s > 0:
-            await asyncio.sleep(self.config.drain_delay_s)
-        batcher = self.batcher
-        if batcher is not None:
-            batcher.close()
-        if self.startup is not None and not self.startup.done():
-            self.startup.cancel()
-        await self.hooks.pause("in_shutdown")
-        margin = min(0.25, grace / 5)
-        if batcher is not None:
-            await batcher.drain(grace - margin)
-            await batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
-        # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap the edges' exit.
-        metrics_down = (asyncio.create_task(asyncio.to_thread(self._httpd.shutdown)) if self._httpd is not None
-                        else None)
-        # The edges answer what the batcher just answered, then exit (by their own grace at the latest).
+    def refuse(self) -> None:
+        pass  # each edge refuses on its own, from the DRAIN frame
+
+    def close(self, grace: float) -> None:
+        pass  # the edges stop accepting on their own, and exit once they have answered
+
+    async def closed(self, margin: float) -> None:
+        """The edges answer what the batcher just answered, then exit (by their own grace at the latest)."""
         procs = [s.proc for s in self.slots if s.proc is not None]
         if procs:
             _, late = await asyncio.wait([asyncio.create_task(p.wait()) for p in procs], timeout=margin + 1.0)
@@ -315,12 +283,10 @@ class ModelHost:
         await asyncio.gather(*self._watchers, return_exceptions=True)
         if self._unix is not None:
             self._unix.close()
-        self.threads.close()
-        if metrics_down is not None:
-            await metrics_down
-            self._httpd.server_close()
-        if self.health_grpc is not None:
-            await self.health_grpc.stop(None)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain and stop every process. `grace` defaults to `drain_grace_s`; 0 stops at once."""
+        await self.lifecycle.drain(grace, self, self.engine, self.startup)
 
 
 def _fields(config: ServiceConfig) -> dict[str, Any]:
@@ -344,11 +310,11 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
-    http_port = -1
     with contextlib.ExitStack() as held:
         held.enter_context(holder)
         held.enter_context(lock)
-        if config.http_port >= 0:  # the HTTP door's port, shared by the edges the same way
+        http_port = -1
+        if config.http_port >= 0:  # the HTTP door's port, held and shared by the edges the same way
             try:
                 http_holder, http_port, http_lock = reserve_port(config.host, config.http_port)
             except OSError as exc:
@@ -356,42 +322,21 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
                 return 1
             held.enter_context(http_holder)
             held.enter_context(http_lock)
-        return await _serve_held(config, directory, port, http_port)
-
-
-async def _serve_held(config: ServiceConfig, directory: Path, port: int, http_port: int) -> int:
-    try:
-        host = ModelHost(config, directory, port, http_port)
-    except (RuntimeError, ValueError, OSError) as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    signals = signal_queue()
-    try:
-        await host.start()
-    except OSError as exc:
-        log.error("cannot start: %s", exc)
-        return 1
-    log.info("port %s:%d held for %d edge processes, metrics on :%d; loading the model", config.host, port,
-             config.edge_processes, host.metrics_port)
-    assert host.startup is not None
-    waiter = asyncio.create_task(signals.get())
-    failed = asyncio.create_task(host.failed.wait())
-    watched: set[asyncio.Future[Any]] = {waiter, failed, host.startup}
-    while not (waiter.done() or failed.done()):  # a start-up that succeeds ends neither
-        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-        if host.startup.done() and not host.startup.cancelled() and host.startup.exception() is not None:
-            log.error("start-up failed: %s", host.startup.exception())
-            waiter.cancel()
-            failed.cancel()
-            await host.stop(0)
+        try:
+            host = ModelHost(config, directory, port, http_port)
+        except (RuntimeError, ValueError, OSError) as exc:
+            log.error("cannot start: %s", exc)
             return 1
-        watched.discard(host.startup)
-    if failed.done():
-        waiter.cancel()
-        await host.stop()
-        log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
-        return 1
-    failed.cancel()
-    await drain_on_signal(waiter, signals, config, host.stop)  # stop(0): the edges stop at once too
-    log.info("stopped; ledger %s", json.dumps(ledger(host.totals), sort_keys=True))
-    return await exit_after(host.threads, functools.partial(shutil.rmtree, directory, ignore_errors=True))
+        signals = signal_queue()
+        try:
+            await host.start()
+        except OSError as exc:
+            log.error("cannot start: %s", exc)
+            await host.lifecycle.close_ports()
+            return 1
+        log.info("port %s:%d held for %d edge processes, metrics on %s; loading the model", config.host, port,
+                 config.edge_processes,
+                 f"{config.metrics_host or config.host}:{host.metrics_port}" if host.metrics_port else "(off)")
+        assert host.startup is not None
+        return await run(config, host.startup, signals, host.stop, host.engine, host.totals, host.failed.wait(),
+                         functools.partial(shutil.rmtree, directory, ignore_errors=True))

@@ -47,7 +47,7 @@ def test_a_sample_goes_to_its_innermost_matching_frame() -> None:
     base = ["<module> (service/__main__.py:26)", "BaseEventLoop._run_once (asyncio/base_events.py:1922)",
             "Handle._run (asyncio/events.py:80)"]
     assert doors_bench.bucket_of([*base, "AttentionServicer.encode (service/doors/attention_v1.py:40)",
-                                 "validate (service/validation.py:60)"]) == "parsing/validation"
+                                 "plan (service/plan.py:60)"]) == "parsing/validation"
     assert doors_bench.bucket_of([*base, "Calls.compute (service/doors/calls.py:110)",
                                  "MutexValue.inc (prometheus_client/values.py:28)"]) == "metrics"
     assert doors_bench.bucket_of(base) == doors_bench.CALLBACK_LEAF  # C code a callback ran (grpc.aio's Cython)

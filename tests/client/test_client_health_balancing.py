@@ -1,6 +1,6 @@
 """The client library's round robin uses gRPC client-side health checking on the readiness name: with
 two servers behind one channel, one NOT_SERVING, every call goes to the SERVING one; flip them and the
-calls follow. Real servers on 127.0.0.1:0 (issue 16; the client-side way of README "Scaling out")."""
+calls follow. Real servers on 127.0.0.1:0 (issue 16; the client-side way of docs/scale-out.md)."""
 
 from __future__ import annotations
 

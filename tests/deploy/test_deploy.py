@@ -46,7 +46,7 @@ COMPOSE_VARIANTS = {
 GRPC_PORT, METRICS_PORT = 50051, 9464
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
-# The metrics contract (service/metrics.py, pinned by tests/test_metrics.py): family -> its labels. Alerts and
+# The metrics contract (service/metrics.py, pinned by tests/service/test_metrics.py): family -> its labels. Alerts and
 # the dashboard may use only these (plus `up`), so a renamed metric or label fails here rather than on an
 # empty panel.
 _FAMILIES = metric_families()
@@ -442,7 +442,7 @@ def test_envoy_config_contract() -> None:
     assert action["timeout"] == "0s" and action["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
     retry = action["retry_policy"]
     assert set(retry["retry_on"].split(",")) == {"unavailable", "reset", "connect-failure", "refused-stream"}
-    assert "resource-exhausted" not in retry["retry_on"], "README: RESOURCE_EXHAUSTED is the client's to retry"
+    assert "resource-exhausted" not in retry["retry_on"], "RESOURCE_EXHAUSTED: the client retries (docs/scale-out.md)"
     assert [p["name"] for p in retry["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
     assert "per_try_timeout" in retry
 

@@ -1,6 +1,6 @@
 """Scale-out, run for real on loopback: three `python -m service` replicas behind the pinned Envoy
 (deploy/envoy/envoy.yaml with fast health checks, tests/support/envoy_harness.py), under closed-loop load from
-the client library, unary and streaming (issue 19; README "Scaling out").
+the client library, unary and streaming (issue 19; docs/scale-out.md).
 
 - calls spread over the replicas; a replica set NOT_SERVING leaves the rotation and comes back;
 - SIGTERM one replica mid-load: no failed call, and its drain ledger balances;
@@ -217,7 +217,7 @@ def streams_open(replica: ServerProcess) -> float:
 
 def test_the_drain_rule_holds_here() -> None:
     """ATTN_DRAIN_DELAY_S exceeds the time Envoy may still route to a replica that turned NOT_SERVING,
-    in this test's fast config as in the shipped one (tests/test_deploy.py checks the shipped side)."""
+    in this test's fast config as in the shipped one (tests/deploy/test_deploy.py checks the shipped side)."""
     fast = loopback_config(load_config(), [1], fast=True)
     assert DRAIN_DELAY_S > drain_floor_s(fast), (DRAIN_DELAY_S, drain_floor_s(fast))
 

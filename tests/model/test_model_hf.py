@@ -21,7 +21,7 @@ from model.text import TextError, TextSettings, TextTokenizer
 from tests.support.hf_helpers import TINY_BERT, Reference, tiny_bert_state_dict, write_tiny_bert
 
 # Reduced precision against the fp32 references, all 25 texts, one per forward, CPU (AVX2), measured 2026-12-01:
-# normalised embeddings max |e - e_ref|, min cosine; hidden states max |h - h_ref| / max |h_ref| (README too).
+# normalised embeddings max |e - e_ref|, min cosine; hidden states max |h - h_ref| / max |h_ref|.
 #   bf16: 0.0035, 0.99988, 0.0077     fp16: 0.00030, 0.9999984, 0.00093     (fp32: 1.7e-7, 0.9999998, 0)
 BOUNDS = {  # dtype: (embedding max abs, min cosine, hidden relative), about 3x the measured
     "bfloat16": (0.01, 0.9995, 0.02),

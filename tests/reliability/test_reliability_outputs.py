@@ -22,10 +22,11 @@ from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import from_tensor, to_tensor
-from service import validation
+from service.doors.attention_v1 import plan_request
 from service.errors import OutputOverflow
 from service.jobs import Output
 from service.output_range import check_representable
+from service.plan import response_bytes
 from tests.support.helpers import ids_request
 from tests.support.reliability_helpers import assert_clean_status, batches
 
@@ -75,7 +76,7 @@ async def test_the_response_size_estimate_bounds_the_real_response_from_above(
     request = REQUESTS[request_index]
     response = await served.stub.Encode(request, timeout=10)
     spec = served.server.serving.spec
-    estimate = validation.response_bytes(validation.validate(request, spec, served.server.config), spec)
+    estimate = response_bytes(plan_request(request, spec, served.server.config), spec).total
     assert response.ByteSize() <= estimate <= response.ByteSize() + 64 * len(request.sequences) + 64
 
 

@@ -17,7 +17,7 @@ from service.metrics import Metrics, metric_families
 from tests.support.helpers import Running, ids_request, wait_for
 from tests.support.prometheus_server import prometheus_server
 
-# The contract with dashboards and alerts (deploy/; tests/test_deploy.py reads it through
+# The contract with dashboards and alerts (deploy/; tests/deploy/test_deploy.py reads it through
 # service.metrics.metric_families): a rename must be a conscious change here too.
 PINNED = {
     "attention_request_duration_seconds": ("histogram", {"method", "code"}),

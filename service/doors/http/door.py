@@ -31,12 +31,12 @@ from google.protobuf import json_format
 
 from model.text import special_ids
 from proto.attention.v1 import attention_pb2 as pb
-from proto.attention.v1.codec import from_tensor
+from service.chunking import stitch_all
 from service.config import ServiceConfig
 from service.doors.attention_v1 import AttentionServicer
 from service.doors.calls import Calls, being_cancelled
 from service.doors.http import kserve_rest, openai, tei
-from service.doors.http.inputs import Inputs, dimensions, encode_request, rename_sequences
+from service.doors.http.inputs import Inputs, dimensions, json_size, names
 from service.doors.http.wire import (
     JSON,
     Dialect,
@@ -51,9 +51,12 @@ from service.doors.http.wire import (
 )
 from service.doors.kserve_v2 import SERVER_NAME, SERVER_VERSION, KServeServicer
 from service.doors.security import UNAUTHENTICATED, TokenChecker, load_tokens
-from service.errors import InvalidInput, NotReady, ServiceError, status_of
+from service.errors import InvalidInput, NonFiniteInput, NotReady, ServiceError, status_of
 from service.jobs import ModelSpec
 from service.metrics import Metrics
+from service.output_range import check_representable
+from service.plan import Ask, Plan, plan_call
+from service.process import port_error
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,8 @@ def bind(host: str, port: int, reuse_port: bool) -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, backlog=1024, reuse_port=reuse_port)
     except OSError as exc:
-        raise RuntimeError(f"Failed to bind the HTTP port {host}:{port}: {exc.strerror or exc}") from None
+        reason = exc.strerror or str(exc)
+        raise OSError(port_error("HTTP", host, port, reason, "ATTN_HTTP_PORT / --http-port")) from None
 
 
 class HttpDoor:
@@ -218,20 +222,27 @@ class HttpDoor:
         spec, _ = self._edge.serving.require_ready()
         return spec
 
-    async def _pooled(self, inputs: Inputs, name: str, *, normalize: bool | None, truncate: bool = False,
-                      prompt_name: str = "", hidden: bool = False) -> tuple[pb.EncodeResponse, list[np.ndarray]]:
-        """Compute `inputs` through the attention.v1 path (until service/plan.py): the response, and each
-        sequence's pooled vector (or hidden states)."""
+    async def _pooled(self, inputs: Inputs, field: str, *, normalize: bool | None, truncate: bool = False,
+                      prompt_name: str = "", hidden: bool = False) -> tuple[Plan, list[np.ndarray]]:
+        """Plan and compute `inputs`: the plan, and each sequence's pooled vector (or its hidden states).
+        Pooling: a text bundle's own, else mean."""
         spec = self._spec()
-        pooling = pb.POOLING_NONE if hidden else pb.POOLING_MODEL if spec.tokenizer is not None else pb.POOLING_MEAN
-        request = encode_request(inputs, pooling=pooling, normalize=None if hidden else normalize,
-                                 return_hidden=hidden, truncate=truncate, prompt_name=prompt_name)
+        ask = Ask(inputs=inputs, return_hidden=hidden, normalize=None if hidden else normalize,
+                  pooling="none" if hidden else "model" if spec.tokenizer is not None else "mean",
+                  truncate=truncate, prompt_name=prompt_name)
         try:
-            response = await self._attention._encode(request, self._config.default_timeout_s)
-        except InvalidInput as exc:
-            raise renamed(exc, lambda field: rename_sequences(field, name)) from None
-        arrays = [from_tensor(out.hidden if hidden else out.pooled) for out in response.outputs]
-        return response, arrays
+            plan = await plan_call(ask, spec, self._config, names(field), json_size)
+        except NonFiniteInput:
+            self._metrics.nonfinite_inputs.inc()
+            raise
+        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        outputs = [d.output for d in done]
+        if plan.chunks:
+            outputs = stitch_all(plan.chunks, outputs)
+        check_representable(outputs, plan.output_dtype, plan.attention_dtype)
+        arrays = [out.hidden if hidden else out.pooled for out in outputs]
+        assert all(a is not None for a in arrays), "an output asked for is missing. This is a bug."
+        return plan, [a for a in arrays if a is not None]
 
     # -- OpenAI ------------------------------------------------------------------------------------
 
@@ -242,8 +253,8 @@ class HttpDoor:
         openai.check_model(call, spec.name)
         # OpenAI's vectors are unit vectors: a model without a tokenizer's own defaults normalises them too.
         normalize = None if spec.tokenizer is not None else True
-        response, vectors = await self._pooled(call.inputs, "input", normalize=normalize)
-        return json_response(openai.encode(call, response, vectors, spec.name))
+        plan, vectors = await self._pooled(call.inputs, "input", normalize=normalize)
+        return json_response(openai.encode(call, plan.sequences, vectors, spec.name))
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         return json_response(openai.models(self._spec().name, self._created))
@@ -399,6 +410,52 @@ class HttpDoor:
             raise InvalidInput("body", f"not an attention.v1.EncodeRequest: {str(exc)[:160]}") from None
         response = await self._attention._encode(message, self._config.default_timeout_s)
         return json_response(json_format.MessageToDict(response, preserving_proto_field_name=True))
+
+
+class HttpFront:
+    """The drain's view of the HTTP door (service/process.py `Front`), as GrpcFront's of the gRPC server:
+    it keeps accepting through the grace, its handlers refusing new calls UNAVAILABLE "shutting down"
+    (`Serving.draining`, which the gRPC front's `refuse` sets for both), and closes once the model has
+    answered what it admitted; readiness routes answer 503 from the drain's start (attention_ready 0)."""
+
+    def __init__(self, door: HttpDoor, serving: Any) -> None:
+        self._door = door
+        self._serving = serving
+        self._deadline = 0.0
+
+    def announce(self, grace: float) -> None:
+        pass
+
+    def refuse(self) -> None:
+        self._serving.draining = True
+
+    def close(self, grace: float) -> None:
+        self._deadline = time.monotonic() + grace
+
+    async def closed(self, margin: float) -> None:
+        await self._door.stop(max(margin, self._deadline - time.monotonic()))
+
+
+class Fronts:
+    """Several fronts drained as one (the gRPC server and the HTTP door of one process)."""
+
+    def __init__(self, *fronts: Any) -> None:
+        self._fronts = [f for f in fronts if f is not None]
+
+    def announce(self, grace: float) -> None:
+        for front in self._fronts:
+            front.announce(grace)
+
+    def refuse(self) -> None:
+        for front in self._fronts:
+            front.refuse()
+
+    def close(self, grace: float) -> None:
+        for front in self._fronts:
+            front.close(grace)
+
+    async def closed(self, margin: float) -> None:
+        await asyncio.gather(*(front.closed(margin) for front in self._fronts))
 
 
 def _path(request: web.Request) -> str:

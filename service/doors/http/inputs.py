@@ -1,25 +1,20 @@
 """The inputs OpenAI's and TEI's embedding routes share (a text, texts, token ids, or lists of token
-ids), and the one adapter from a decoded call to the attention.v1 path that computes it.
-
-`encode_request` is the smallest bridge to service/validation.py (an EncodeRequest the gRPC door
-would have sent); the door-neutral plan (service/plan.py) replaces it. Errors name the fields as the
-HTTP body names them (`input[2]`, not `sequences[2].text`).
+ids), the plan's field names as those bodies name them (`input[2]`, not `sequences[2].text`), and the
+size of a JSON response (service/plan.py checks it against max_message_bytes before any compute).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
-from proto.attention.v1 import attention_pb2 as pb
-from proto.attention.v1.codec import to_tensor
 from service.errors import InvalidInput
+from service.jobs import ModelSpec
+from service.plan import Names, Plan, Sizes
 
 Inputs = list[str] | list[np.ndarray]
 _INT64 = (-(2**63), 2**63 - 1)
-_SEQUENCE = re.compile(r"^sequences(\[(\d+)\])?(\.\w+)?")
 
 
 def decode_inputs(value: object, field: str) -> Inputs:
@@ -53,28 +48,22 @@ def _ids(values: list[object], field: str) -> np.ndarray:
     return np.asarray(values, np.int64)
 
 
-def encode_request(inputs: Inputs, *, pooling: int, normalize: bool | None, return_hidden: bool = False,
-                   truncate: bool = False, prompt_name: str = "", return_tokens: bool = False) -> pb.EncodeRequest:
-    """The attention.v1 request for a decoded call."""
-    sequences = [pb.Sequence(text=x) if isinstance(x, str) else pb.Sequence(token_ids=to_tensor(x)) for x in inputs]
-    output = pb.OutputOptions(return_hidden=return_hidden, pooling=pooling,  # type: ignore[arg-type]
-                              return_tokens=return_tokens)
-    if normalize is not None:
-        output.normalize = normalize
-    if prompt_name:
-        output.prompt_name = prompt_name
-    return pb.EncodeRequest(sequences=sequences, output=output, truncate=truncate)
+def names(field: str) -> Names:
+    """The plan's field names as an HTTP body names them: `input[2]`, `input[2][5]`, `prompt_name`."""
+    return Names(sequences=field, sequence=field + "[{i}]", element="{sequence}[{j}]", texts=field,
+                 output="body", pooling="pooling", normalize="normalize", dtype="dtype",
+                 prompt_name="prompt_name", long_inputs="truncate", chunk_stride="truncate")
 
 
-def rename_sequences(field: str, name: str) -> str:
-    """`sequences[2].text` -> `input[2]`; `sequences` -> `input`; `output.prompt_name` -> `prompt_name`."""
-    match = _SEQUENCE.match(field)
-    if match is not None:
-        index = f"[{match.group(2)}]" if match.group(2) is not None else ""
-        return name + index + field[match.end():]
-    if field.startswith("output."):
-        return field[len("output."):]
-    return field
+# Bytes one float32 takes as JSON text (the longest repr of a float32 as a double, and a comma).
+JSON_FLOAT = 26
+
+
+def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
+    """An upper bound on the JSON response of `plan` (vectors or token embeddings as float text,
+    base64 being shorter), for max_message_bytes."""
+    values = sum((job.length if job.return_hidden else 0) + (1 if job.pooling else 0) for job in plan.sequences)
+    return Sizes(0, values * spec.d_model * JSON_FLOAT + 64 * len(plan.sequences) + 256)
 
 
 def dimensions(vectors: Sequence[np.ndarray], dims: int | None) -> list[np.ndarray]:

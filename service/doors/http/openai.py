@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from proto.attention.v1 import attention_pb2 as pb
 from service.doors.http.inputs import Inputs, decode_inputs, dimensions
 from service.doors.http.wire import Dialect, field_of, json_object, known_fields, optional
 from service.errors import InvalidInput, NotFound, ServiceError, status_of
+from service.jobs import Job
 
 FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -79,14 +79,14 @@ def _shown(name: str) -> str:
     return repr(name) if len(name) <= 64 and name.isprintable() else "(not shown)"
 
 
-def encode(call: EmbeddingsCall, response: pb.EncodeResponse, vectors: Sequence[np.ndarray],
+def encode(call: EmbeddingsCall, sequences: Sequence[Job], vectors: Sequence[np.ndarray],
            model: str) -> dict[str, Any]:
     data = []
     for i, v in enumerate(dimensions(vectors, call.dimensions)):
         v = np.asarray(v, "<f4")
         embedding: Any = base64.b64encode(v.tobytes()).decode() if call.base64 else v.tolist()
         data.append({"object": "embedding", "embedding": embedding, "index": i})
-    tokens = sum(out.token_count for out in response.outputs)
+    tokens = sum(job.length for job in sequences)  # as computed: specials in, a truncated text's cut
     return {"object": "list", "data": data, "model": model,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 

@@ -1,0 +1,118 @@
+"""The model half of a serving process: the model threads, the runner, the batch limits and the batcher.
+
+The order is the dependencies' order: the model threads exist first; the runner loads the bundle and
+warms up on the lead thread; the batch limits follow from (config, loaded model), computed once; then
+the batcher starts with the runner, the limits and the threads. Both serving modes hold one `Engine`
+(service/server.py in one process, service/multiproc/host.py as the model process of edge processes);
+its shutdown is `close()` (no new work) then `drain(grace)` (what was admitted is answered, then the
+threads stop), written here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from model.bundle import MANIFEST_FILE
+from model.default import default_bundle_dir, ensure_default_bundle
+from service.batching import Batcher, BatchLimits, ModelThreads
+from service.config import ServiceConfig
+from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
+from service.fault_hooks import FaultHooks
+from service.jobs import Job, ModelSpec
+from service.metrics import Metrics
+from service.runner import Runner
+
+log = logging.getLogger(__name__)
+
+
+def model_workers(config: ServiceConfig) -> int:
+    """How many model threads run batches (service/device.py has the defaults)."""
+    workers = config.model_workers or default_workers(config.device, config.torch_threads or default_threads())
+    if workers > 1 and is_cuda(config.device):
+        raise ValueError("model_workers > 1 is for CPUs; on cuda one worker pipelines its batches")
+    return workers
+
+
+def batch_limits(config: ServiceConfig, spec: ModelSpec) -> BatchLimits:
+    """The batcher's limits, from the config and the loaded model: computed once, before it starts."""
+    tokens = config.max_batch_tokens or default_batch_tokens(config.device)
+    if spec.max_length > tokens:
+        if config.max_batch_tokens:
+            raise ValueError(f"max_batch_tokens ({tokens}) is below the model's max_length ({spec.max_length}): "
+                             "a longest sequence could never be batched")
+        tokens = spec.max_length  # the device's default budget is for the reference model; one sequence must fit
+    return BatchLimits(
+        max_batch_tokens=tokens, max_batch_size=config.max_batch_size, max_wait_ms=config.max_wait_ms,
+        max_age_ms=config.max_age_ms, max_queue_tokens=config.max_queue_tokens,
+        max_queue_requests=config.max_queue_requests,
+    )
+
+
+class Engine:
+    """Model threads, runner and batcher of one serving process. `start()` (on the event loop: the
+    threads start, then `load()` loads, warms up and starts the batcher); `close()`; `drain(grace)`."""
+
+    def __init__(self, config: ServiceConfig, metrics: Metrics, hooks: FaultHooks) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.hooks = hooks
+        self.threads = ModelThreads(model_workers(config))
+        self.batcher: Batcher[Job] | None = None
+        self.spec: ModelSpec | None = None
+
+    @property
+    def workers(self) -> int:
+        return len(self.threads)
+
+    def start(self) -> None:
+        self.threads.start()
+
+    async def load(self) -> tuple[Batcher[Job], ModelSpec]:
+        """Load and warm the model on the (started) model threads, then start the batcher that runs it."""
+        config, metrics, threads = self.config, self.metrics, self.threads
+        await self.hooks.pause("before_ready")
+        bundle_dir = config.model or await self._default_bundle()
+        runner = Runner(config, bundle_dir, metrics, len(threads))
+        spec = await threads.call(runner.load)
+        limits = batch_limits(config, spec)
+        if config.warmup:
+            await threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
+        if len(config.entropy_baselines) not in (0, 1, spec.n_layers):
+            raise ValueError(f"entropy_baseline has {len(config.entropy_baselines)} values; the model has "
+                             f"{spec.n_layers} layers (give one value, or one per layer)")
+        metrics.on_model(spec.n_layers, runner.diagnostics, config.entropy_baselines)
+        if runner.diagnostics:
+            log.info("attention health: sampling %g of batches", config.diagnostics_sample)
+        batcher: Batcher[Job] = Batcher(self.hooks.runner(runner), limits, threads, observer=metrics,
+                                        make_queue=self.hooks.queue(),
+                                        after_batch=runner.after_batch if runner.diagnostics else None)
+        batcher.start()
+        metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
+        self.batcher, self.spec = batcher, spec
+        return batcher, spec
+
+    async def _default_bundle(self) -> str:
+        """The built-in default model's bundle, built (seconds, no download) into the cache if absent."""
+        cache = self.config.bundle_cache_dir
+        if (default_bundle_dir(cache) / MANIFEST_FILE).is_file():
+            log.info("no --model given: serving the built-in default model from %s", default_bundle_dir(cache))
+            return str(default_bundle_dir(cache))
+        log.info("no --model given: building the built-in default model (seeded weights, no download) into %s",
+                 default_bundle_dir(cache))
+        built = await asyncio.to_thread(ensure_default_bundle, cache)
+        log.info("built the default model at %s", built)
+        return str(built)
+
+    def close(self) -> None:
+        """Admit nothing more (a call that still arrives is refused UNAVAILABLE "shutting down")."""
+        if self.batcher is not None:
+            self.batcher.close()
+
+    async def drain(self, grace: float, margin: float) -> None:
+        """Answer what was admitted within `grace - margin` (what cannot finish: UNAVAILABLE "shutting
+        down"), then stop the batcher and the model threads. A forward of normal length may end first."""
+        if self.batcher is not None:
+            await self.batcher.drain(grace - margin)
+            await self.batcher.aclose(join_timeout=margin / 2 if grace > 0 else 0.5)
+        self.threads.close()

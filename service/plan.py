@@ -1,0 +1,493 @@
+"""One call, as every front door describes it (`Ask`), -> its validated `Plan`, before anything is queued.
+
+Each door decodes its own wire (attention.v1 protobuf, KServe v2, HTTP JSON) into an `Ask`, calls
+`plan_call` with its own field names (`Names`) and its own response-size function, runs `plan.jobs`
+through `Calls.compute`, and encodes the outputs. A new request option is added here once, then in
+each door's decode and encode.
+
+Every check names the door's field (and index); one bad sequence fails its own call with
+INVALID_ARGUMENT and never reaches a batch. Text is tokenized here (the batcher only ever sees token
+ids), with the model's tokenizer: the call's characters are counted before tokenizing, its tokens
+after. A sequence longer than the model is refused, cut or planned in windows here, as the call asks
+(service/chunking.py); the windows of a call are counted arithmetically, before any is planned, so a
+call over `max_tokens_per_call` costs nothing to refuse. Sizes of the response (hidden states and
+attention weights) are computed here, up front, so that nothing is computed only to be refused at send
+time. `plan_call` plans a big call (much text, many tokens) in a worker thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from service.chunking import CHUNK, ERROR, MODES, REFUSE, TRUNCATE, Chunked, LongInputs, choose, sequences, truncated
+from service.config import ServiceConfig
+from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput, shown
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
+
+if TYPE_CHECKING:
+    from model.text import Encoded
+
+MAX_REQUEST_ID = 128
+MAX_EMBEDDING_ABS = 1e6  # far above any trained embedding; far below where float32 LayerNorm overflows
+FLOATS = ("float32", "float16", "bfloat16")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+POOLINGS = ("none", "mean", "cls", "model")
+HEADS = ("all", "mean")
+# Calls with more text than this are planned (tokenized) in a worker thread: below it, the hop costs
+# more than the tokenizer (about 1 us per character here). Likewise calls with more input tokens.
+INLINE_CHARS = 4096
+INLINE_TOKENS = 65536
+_POOLING = {"none": POOL_NONE, "mean": POOL_MEAN, "cls": POOL_CLS}
+_UNSIGNED = {np.dtype(f"{order}i{size}"): np.dtype(f"{order}u{size}") for order in "<>=" for size in (4, 8)}
+_WINDOWED = " (the windows of chunked sequences counted)"
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One call, decoded from a door's wire. `inputs`: per sequence, token ids (an int array [T]),
+    embeddings (a float32 array [T, d_model]) or a text (str)."""
+
+    inputs: Sequence[np.ndarray | str]
+    request_id: str = ""
+    return_hidden: bool = True
+    pooling: str = "none"  # none | mean | cls | model (a text bundle's own; refused without a tokenizer)
+    normalize: bool | None = None  # None: the model's default for text bundles (when pooled), else False
+    dtype: str = "float32"  # hidden and pooled outputs: float32 | float16 | bfloat16
+    attention: tuple[int, ...] | None = None  # None: no weights; (): every layer; negative from the end
+    heads: str = "all"  # all | mean
+    attention_dtype: str = "float32"
+    causal: bool = False
+    long_inputs: str | None = None  # error | truncate | chunk; None: what `truncate` says
+    truncate: bool = False
+    chunk_stride: int = 0
+    prompt_name: str = ""
+    return_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class Names:
+    """A door's names for the fields of its wire, as INVALID_ARGUMENT messages name them. `sequence`
+    names sequence i of kind `kind` (a door's name from `kinds`); `element` its element j."""
+
+    sequences: str = "sequences"
+    sequence: str = "sequences[{i}].{kind}"
+    element: str = "{sequence}[{j}]"
+    kinds: tuple[tuple[str, str], ...] = (("ids", "token_ids"), ("embeddings", "embeddings"), ("text", "text"))
+    request_id: str = "request_id"
+    output: str = "output"
+    pooling: str = "output.pooling"
+    normalize: str = "output.normalize"
+    dtype: str = "output.dtype"
+    prompt_name: str = "output.prompt_name"
+    return_attention: str = "attention.return_attention"
+    attention: str = "attention"
+    attention_layers: str = "attention.layers"
+    heads: str = "attention.heads"
+    attention_dtype: str = "attention.dtype"
+    long_inputs: str = "long_inputs"
+    chunk_stride: str = "chunk_stride"
+    texts: str = "sequences"  # all the call's text together (its character limit)
+
+    def of(self, i: int, kind: str) -> str:
+        return self.sequence.format(i=i, kind=dict(self.kinds)[kind])
+
+    def at(self, i: int, kind: str, j: int) -> str:
+        return self.element.format(sequence=self.of(i, kind), i=i, kind=dict(self.kinds)[kind], j=j)
+
+
+class Sizes(NamedTuple):
+    """A response's bytes: the attention weights, and the whole message as the door sends it."""
+
+    attention: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated call: its jobs (one per sequence, in order; a chunked sequence's windows in its
+    place) and how to encode the outputs."""
+
+    request_id: str
+    jobs: list[Job]
+    output_dtype: str  # float32 | float16 | bfloat16
+    attention_dtype: str
+    texts: tuple[Encoded | None, ...] = ()  # per sequence: how its text was tokenized (None: not text)
+    return_tokens: bool = False
+    chunks: tuple[Chunked | None, ...] = ()  # per sequence, when the call chunks one: its windows (None: whole)
+    truncated: tuple[bool, ...] = ()  # per sequence, when the call cut ids or embeddings: whether it did
+
+    @property
+    def tokens(self) -> int:
+        """Tokens computed: after chunking, the windows' lengths summed."""
+        return sum(job.length for job in self.jobs)
+
+    @property
+    def sequences(self) -> list[Job]:
+        """One job per sequence of the call, as asked (a chunked sequence whole, not its windows)."""
+        return sequences(self.jobs, self.chunks) if self.chunks else self.jobs
+
+    def cut(self, i: int) -> bool:
+        """Whether sequence i was cut to the model's length (text or not)."""
+        text = self.texts[i] if self.texts else None
+        return (text is not None and text.truncated) or (bool(self.truncated) and self.truncated[i])
+
+
+ResponseSize = Callable[[Plan, ModelSpec], Sizes]
+
+
+def check_count(n: int, config: ServiceConfig, field: str) -> None:
+    """The call's number of sequences, 1..max_sequences_per_call (a door checks it before decoding them)."""
+    if not 1 <= n <= config.max_sequences_per_call:
+        raise InvalidInput(field, f"must hold 1..{config.max_sequences_per_call} sequences; got {n}")
+
+
+def takes_text(spec: ModelSpec, field: str) -> None:
+    """Refuse text for a model without a tokenizer (a door checks it before decoding any text)."""
+    if spec.tokenizer is None:
+        raise InvalidInput(field, f"model {spec.name} takes no text (it has no tokenizer); send token ids")
+
+
+async def plan_call(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names,
+                    response_size: ResponseSize) -> Plan:
+    """`plan`, in a worker thread when the call is big (the Rust tokenizer and numpy release the GIL)."""
+    if _weight(ask) > INLINE_CHARS:
+        return await asyncio.to_thread(plan, ask, spec, config, names, response_size)
+    return plan(ask, spec, config, names, response_size)
+
+
+def _weight(ask: Ask) -> int:
+    chars = tokens = 0
+    for item in ask.inputs:
+        if isinstance(item, str):
+            chars += len(item)
+        else:
+            tokens += len(item)
+    return max(chars, tokens * INLINE_CHARS // INLINE_TOKENS)
+
+
+def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, response_size: ResponseSize) -> Plan:
+    """`ask` -> its `Plan`, every limit checked (module docstring); InvalidInput names `names`' fields."""
+    if len(ask.request_id) > MAX_REQUEST_ID:
+        raise InvalidInput(names.request_id, f"at most {MAX_REQUEST_ID} characters; got {len(ask.request_id)}")
+    inputs = ask.inputs
+    check_count(len(inputs), config, names.sequences)
+    output_dtype = _float(ask.dtype, names.dtype)
+    attention_dtype = _float(ask.attention_dtype, names.attention_dtype)
+    long = _long_inputs(ask, spec, names)
+    texts = _tokenize(ask, spec, config, long, names)
+    pooling, normalize = _pooling(ask, spec, names)
+    if ask.heads not in HEADS:
+        raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
+    layers = _attention_layers(ask, spec, config, names)
+    if not ask.return_hidden and pooling == POOL_NONE and not layers:
+        raise InvalidInput(names.output, "nothing to return: hidden states off, no pooling, no attention")
+
+    text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
+    jobs: list[Job] = []
+    windows: list[tuple[int, int]] = []  # (sequence, window) of each sequence longer than its window
+    for i, item in enumerate(inputs):
+        encoded = texts[i] if texts else None
+        token_ids: np.ndarray | None
+        if encoded is not None:
+            token_ids, embeddings, window = encoded.ids, None, text_window
+        else:
+            token_ids, embeddings = _array(i, item, spec, long.mode, names)
+            window = spec.max_length
+        job = Job(token_ids=token_ids, embeddings=embeddings, causal=ask.causal, attn_layers=layers,
+                  heads_mean=ask.heads == "mean", pooling=pooling, return_hidden=ask.return_hidden,
+                  normalize=normalize)
+        if job.length > window:
+            windows.append((i, window))
+        jobs.append(job)
+    if windows:
+        jobs, chunks, cut = _fit(jobs, windows, long, config, names, lambda i: names.of(i, _kind(inputs[i])))
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut)
+    else:
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens)
+        if fitted.tokens > config.max_tokens_per_call:
+            raise InvalidInput(names.sequences, f"{fitted.tokens} tokens in all; at most "
+                               f"{config.max_tokens_per_call} per call")
+    _check_sizes(fitted, spec, config, names, response_size)
+    return fitted
+
+
+def _kind(item: np.ndarray | str) -> str:
+    return "text" if isinstance(item, str) else "ids" if item.ndim == 1 else "embeddings"
+
+
+def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, config: ServiceConfig, names: Names,
+         field: Callable[[int], str]) -> tuple[list[Job], tuple[Chunked | None, ...], tuple[bool, ...]]:
+    """The call's jobs once some sequences are longer than the model, each cut or planned in windows as
+    the call asks (ERROR was refused while decoding), with Plan's `chunks` and `truncated`. The windows
+    are counted before any is planned."""
+    total = sum(job.length for job in jobs)
+    if long.mode == CHUNK:
+        for i, window in windows:
+            job = jobs[i]
+            if job.attn_layers:
+                raise InvalidInput(names.return_attention, "attention weights are not available for a chunked "
+                                   f"sequence: {field(i)} has {job.length} tokens, over {window}, so it is encoded "
+                                   "in windows; ask without attention, or send it within the limit")
+            count = math.ceil((job.length - window) / long.step(window)) + 1  # window_starts' length
+            total += count * window - job.length
+    else:
+        total -= sum(jobs[i].length - window for i, window in windows)
+    if total > config.max_tokens_per_call:
+        raise InvalidInput(names.sequences, f"{total} tokens in all{_WINDOWED * (long.mode == CHUNK)}; at most "
+                           f"{config.max_tokens_per_call} per call")
+    long_at = dict(windows)
+    out: list[Job] = []
+    chunks: list[Chunked | None] = []
+    cut: list[bool] = []
+    for i, job in enumerate(jobs):
+        chunk = None
+        if i not in long_at:
+            out.append(job)
+        elif long.mode == TRUNCATE:
+            out.append(truncated(job, long_at[i]))
+        else:
+            chunk = Chunked.plan(job, long_at[i], long.step(long_at[i]))
+            out.extend(chunk.jobs())
+        chunks.append(chunk)
+        cut.append(i in long_at and long.mode == TRUNCATE)
+    return (out, tuple(chunks) if any(c is not None for c in chunks) else (),
+            tuple(cut) if any(cut) else ())
+
+
+def _float(dtype: str, field: str) -> str:
+    if dtype not in ITEMSIZE:
+        raise InvalidInput(field, f"must be FLOAT32, FLOAT16 or BFLOAT16; got {shown(dtype)}")
+    return dtype
+
+
+def _pooling(ask: Ask, spec: ModelSpec, names: Names) -> tuple[int, bool]:
+    """(pooling, normalize) of the call: "model" and an unset normalize take the model's defaults."""
+    settings = spec.tokenizer.settings if spec.tokenizer is not None else None
+    if ask.pooling not in POOLINGS:
+        raise InvalidInput(names.pooling, f"must be one of {', '.join(POOLINGS)}; got {shown(ask.pooling)}")
+    if ask.pooling == "model":
+        if settings is None:
+            raise InvalidInput(names.pooling, "the model's own pooling needs a model served with a tokenizer "
+                               "(ModelInfo.text); use mean or cls")
+        pooling = _POOLING[settings.pooling]
+    else:
+        pooling = _POOLING[ask.pooling]
+    if ask.normalize is not None:
+        if ask.normalize and pooling == POOL_NONE:
+            raise InvalidInput(names.normalize, "normalizes the pooled vector: ask for pooling")
+        return pooling, ask.normalize
+    return pooling, settings is not None and settings.normalize and pooling != POOL_NONE
+
+
+def _long_inputs(ask: Ask, spec: ModelSpec, names: Names) -> LongInputs:
+    """The call's choice for sequences longer than the model (long_inputs, truncate, chunk_stride)."""
+    if ask.long_inputs is None and not ask.truncate and not ask.chunk_stride:
+        return REFUSE  # the common call: nothing to look at
+    if ask.long_inputs is not None and ask.long_inputs not in MODES:
+        raise InvalidInput(names.long_inputs, f"must be one of {', '.join(MODES)}; got {shown(ask.long_inputs)}")
+    kinds = {_kind(item) for item in ask.inputs}
+    windows = [spec.max_length] if kinds - {"text"} else []
+    if "text" in kinds and spec.tokenizer is not None:
+        windows.append(spec.tokenizer.settings.max_tokens)
+    return choose(ask.long_inputs, ask.truncate, ask.chunk_stride, mode_field=names.long_inputs,
+                  stride_field=names.chunk_stride, windows=windows)
+
+
+def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs,
+              names: Names) -> tuple[Encoded | None, ...]:
+    """The call's texts tokenized, per sequence (None where a sequence is not text); () without text."""
+    where = [i for i, item in enumerate(ask.inputs) if isinstance(item, str)]
+    if not where:
+        if ask.prompt_name:
+            raise InvalidInput(names.prompt_name, "applies to text; the call sends none")
+        return ()
+    texts = [ask.inputs[i] for i in where]
+    encoded = tokenize([t for t in texts if isinstance(t, str)], spec, config,
+                       fields=[names.of(i, "text") for i in where], truncate=long.mode == TRUNCATE,
+                       keep_long=long.mode == CHUNK, prompt_name=ask.prompt_name, all_field=names.texts,
+                       prompt_field=names.prompt_name)
+    out: list[Encoded | None] = [None] * len(ask.inputs)
+    for i, enc in zip(where, encoded, strict=True):
+        out[i] = enc
+    return tuple(out)
+
+
+def tokenize(texts: Sequence[str], spec: ModelSpec, config: ServiceConfig, *, fields: Sequence[str], truncate: bool,
+             prompt_name: str = "", all_field: str = "sequences",
+             prompt_field: str = "output.prompt_name", keep_long: bool = False) -> list[Encoded]:
+    """`texts` -> token ids with the model's tokenizer, every limit checked: the characters of the call
+    before tokenizing, each text's tokens (over the limit: refused, cut with `truncate`, or kept whole
+    with `keep_long`, to be chunked) and the ids against the vocabulary after. `fields` name each text
+    in errors; the front doors share this (Tokenize too)."""
+    tokenizer = spec.tokenizer
+    takes_text(spec, fields[0])
+    assert tokenizer is not None
+    chars = sum(len(text) for text in texts)
+    if chars > config.max_text_chars:
+        raise InvalidInput(all_field, f"{chars} characters of text in all; at most {config.max_text_chars} per call")
+    try:
+        prompt = tokenizer.prompt(prompt_name)
+    except KeyError:
+        raise InvalidInput(prompt_field, f"unknown prompt {shown(prompt_name)}; the model has "
+                           f"{sorted(tokenizer.settings.prompts)}") from None
+    encoded = tokenizer.encode(texts, truncate=truncate, prompt=prompt)
+    limit = tokenizer.settings.max_tokens
+    for field, enc in zip(fields, encoded, strict=True):
+        if len(enc.ids) > limit and not keep_long:
+            raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's "
+                               f"limit of {limit}; shorten it, or set truncate to cut it (or chunk it)")
+        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
+            raise InvalidInput(field, f"the tokenizer gave id {int(enc.ids.max())}, outside the model's "
+                               f"vocabulary of {spec.vocab_size}")
+    return encoded
+
+
+def _attention_layers(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names) -> tuple[int, ...]:
+    if ask.attention is None:
+        return ()
+    if not config.allow_attention:
+        raise FailedPrecondition("return_attention is disabled on this deployment")
+    L = spec.n_layers
+    if not ask.attention:
+        return tuple(range(L))
+    layers: list[int] = []
+    for j, layer in enumerate(ask.attention):
+        field = f"{names.attention_layers}[{j}]"
+        if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not -L <= layer < L:
+            raise InvalidInput(field, f"layer {shown(layer)} not in [-{L}, {L})")
+        layer = int(layer) % L
+        if layer in layers:
+            raise InvalidInput(field, f"layer {layer} asked for twice")
+        layers.append(layer)
+    return tuple(layers)
+
+
+def _array(i: int, item: np.ndarray | str, spec: ModelSpec, long_mode: str,
+           names: Names) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A sequence's ids or embeddings, checked against the model (the door checked its wire form)."""
+    assert not isinstance(item, str)
+    kind = "ids" if item.ndim == 1 else "embeddings"
+    field = names.of(i, kind)
+    length = item.shape[0]
+    if length < 1 or (length > spec.max_length and long_mode == ERROR):
+        raise InvalidInput(field, f"length must be 1..{spec.max_length}; got {length}"
+                           + _HINT * (length > spec.max_length))
+    if kind == "ids":
+        if item.dtype.kind not in "iu":
+            raise InvalidInput(field, f"token ids must be integers; got {item.dtype} values (float arrays are "
+                               "embeddings)")
+        if (j := _first_out_of_vocab(item, spec.vocab_size)) is not None:
+            raise InvalidInput(names.at(i, kind, j), f"id {int(item[j])} not in [0, {spec.vocab_size})")
+        return item.astype(np.int64, copy=False), None  # int64 ids stay a view of the request's bytes
+    if item.ndim != 2 or item.shape[1] != spec.d_model:
+        raise InvalidInput(field, f"shape must be [T, {spec.d_model}]; got {list(item.shape)}")
+    embeddings = item.astype(np.float32, copy=False)
+    if not np.isfinite(embeddings).all():
+        raise NonFiniteInput(field, "holds NaN or Inf")
+    largest = float(np.abs(embeddings).max())
+    if largest > MAX_EMBEDDING_ABS:
+        # Finite, but LayerNorm's variance would overflow (x^2 past float32 max near 1e19): refuse it
+        # as bad input rather than compute a non-finite output.
+        raise InvalidInput(field, f"|value| must be <= {MAX_EMBEDDING_ABS:g}; got {largest:.3g}")
+    return None, embeddings
+
+
+_HINT = " (or set long_inputs to truncate or chunk it)"
+
+
+def _first_out_of_vocab(ids: np.ndarray, vocab_size: int) -> int | None:
+    """The index of the first id outside [0, vocab_size), or None."""
+    if ids.dtype.kind == "u":
+        return None if int(ids.max()) < vocab_size else int(np.flatnonzero(ids >= vocab_size)[0])
+    # One reduction checks both bounds: read as unsigned, a negative id is at least 2**31.
+    if int(ids.view(_UNSIGNED.get(ids.dtype) or ids.dtype.str.replace("i", "u")).max()) < vocab_size:
+        return None
+    return int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+
+
+def _check_sizes(plan: Plan, spec: ModelSpec, config: ServiceConfig, names: Names,
+                 response_size: ResponseSize) -> None:
+    """Refuse, before any compute, a call whose attention or whole response would be over budget."""
+    sizes = response_size(plan, spec)
+    if sizes.attention > config.max_attention_bytes:
+        raise InvalidInput(
+            names.attention,
+            f"attention weights would be {sizes.attention} bytes, over the budget of {config.max_attention_bytes} "
+            "bytes; ask for fewer layers, heads averaged (mean), float16, or shorter sequences",
+        )
+    if sizes.total > config.max_message_bytes:
+        raise InvalidInput(names.sequences, f"the response would be {sizes.total} bytes, over max_message_bytes "
+                           f"{config.max_message_bytes}")
+
+
+def attention_bytes(plan: Plan, spec: ModelSpec, padded_to: int | None = None) -> int:
+    """The attention weights of `plan`'s response; `padded_to`: every sequence padded to this length."""
+    first = plan.jobs[0]
+    if not first.attn_layers:  # one call asks one thing: no attention for one, none for all
+        return 0
+    heads = 1 if first.heads_mean else spec.n_heads
+    total = sum(len(job.attn_layers) * heads * (padded_to or job.length) ** 2 for job in plan.sequences)
+    return total * ITEMSIZE[plan.attention_dtype]
+
+
+def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
+    """attention.v1: the attention bytes, and an upper bound on the serialized EncodeResponse: the
+    tensor bytes plus every tag, length prefix, shape and metadata field (what grpcio's send limit
+    counts). Within a few bytes per sequence of the real size: only the varints of the timings and
+    batch facts are taken at their widest."""
+    out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
+    D = spec.d_model
+    total = _field(len(plan.request_id.encode()))
+    for job in plan.sequences:
+        T = job.length
+        body = 2  # nonfinite = true
+        if job.return_hidden:
+            body += _tensor_field((T, D), out_size)
+        if job.pooling:
+            body += _tensor_field((D,), out_size)
+        if job.attn_layers:
+            heads = 1 if job.heads_mean else spec.n_heads
+            body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)
+        total += _field(body)
+    if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
+        total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)
+    total += _metadata_field(spec.precision, spec.device, spec.name, spec.version)
+    return Sizes(attention_bytes(plan, spec), total)
+
+
+@functools.lru_cache(maxsize=16)
+def _metadata_field(*texts: str) -> int:
+    """The ResponseMetadata field: queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0),
+    fp32_retry, then the strings (the model's: the same on every call, hence the cache)."""
+    return _field(2 * 11 + 2 * 6 + 2 + sum(_field(len(text.encode())) for text in texts))
+
+
+def _varint(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _field(length: int) -> int:
+    """A length-delimited field of `length` bytes: tag, length prefix, payload."""
+    return 1 + _varint(length) + length
+
+
+# Shapes repeat (a few lengths, one d_model), and the size is computed for every sequence of every call.
+@functools.lru_cache(maxsize=4096)
+def _tensor_field(shape: tuple[int, ...], itemsize: int) -> int:
+    """`_tensor` as a field of its parent."""
+    return _field(_tensor(shape, itemsize))
+
+
+def _tensor(shape: tuple[int, ...], itemsize: int) -> int:
+    """An attention.v1.Tensor's body: dtype (never 0 here), packed shape, data."""
+    count = 1
+    for d in shape:
+        count *= d
+    return 2 + _field(sum(_varint(d) for d in shape)) + _field(count * itemsize)

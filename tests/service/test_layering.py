@@ -1,0 +1,130 @@
+"""The project's import graph: no cycle anywhere (lazy imports in functions count), and the rooms'
+rules: service/doors/ and service/batching/ import no torch (an edge process loads the doors only),
+model/ imports no grpc, service/server.py does not import service/multiproc/, the client imports
+nothing of the service or the model. Checked on the source (ast) and, for torch, in a fresh interpreter."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("proto", "model", "service", "client")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def imports_of(module: str) -> set[str]:
+    """The project modules `module` imports, anywhere in its body (a lazy import counts)."""
+    tree = ast.parse(MODULES[module].read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:  # relative: resolve against the package
+                package = module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [node.module])
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in MODULES and m != module}
+
+
+def all_imports(module: str) -> set[str]:
+    """Every name `module` imports, project or not (first component), anywhere in its body."""
+    tree = ast.parse(MODULES[module].read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        if state.get(m) == 1:
+            return path[path.index(m):] + [m]
+        if state.get(m) == 2:
+            return None
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if (cycle := visit(n, path + [m])) is not None:
+                return cycle
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if (cycle := visit(m, [])) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_the_project() -> None:
+    # A package imports its own submodules' names through __init__: edges into a package's own
+    # __init__ from its submodules are how Python resolves them, not a cycle of ours.
+    graph = {m: {n for n in imports_of(m) if not m.startswith(n + ".")} for m in MODULES}
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_the_cycle_finder_can_fail() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+@pytest.mark.parametrize("room", ["service.doors", "service.batching"])
+def test_rooms_that_import_no_torch(room: str) -> None:
+    for module in (m for m in MODULES if m == room or m.startswith(room + ".")):
+        assert "torch" not in all_imports(module), f"{module} imports torch"
+        reached = _closure(module)
+        heavy = sorted(m for m in reached if "torch" in all_imports(m))
+        assert not heavy, f"{module} reaches torch through {heavy}"
+
+
+def test_server_does_not_import_multiproc_and_model_imports_no_grpc() -> None:
+    assert not {m for m in _closure("service.server") if m.startswith("service.multiproc")}
+    for module in (m for m in MODULES if m.startswith("model")):
+        assert not {"grpc", "prometheus_client"} & all_imports(module), module
+    for module in (m for m in MODULES if m.startswith("client")):
+        assert not {m for m in imports_of(module) if m.startswith(("service", "model"))}, module
+
+
+def test_an_edge_process_loads_no_torch() -> None:
+    """What `python -m service.multiproc.edge_worker` imports, in a fresh interpreter."""
+    code = ("import sys, service.multiproc.edge_worker, service.doors.front, service.doors.attention_v1, "
+            "service.doors.kserve_v2; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def _closure(module: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(imports_of(m))
+    return seen
