@@ -81,7 +81,10 @@ _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
                          "chunk_stride"}) | _IGNORED
-_INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
+# Calls counted in ModelStatistics: both gRPC doors' and the HTTP door's (service/doors/http/door.py names them).
+_INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer", "POST /v1/embeddings", "POST /embed",
+                  "POST /embed_all", "POST /v1/encode", "POST /v2/models/{model}/infer",
+                  "POST /v2/models/{model}/versions/{version}/infer")
 
 
 class KServeServicer:

@@ -128,8 +128,9 @@ async def test_openai_minilm_text_equals_sentence_transformers_and_the_grpc_door
     vectors = np.array([d.embedding for d in got.data])
     np.testing.assert_allclose(vectors, ref.embeddings[picked], rtol=0, atol=1e-5)
     assert got.usage.prompt_tokens == sum(len(ref.ids[i]) for i in picked)
-    response = await s.stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text=t) for t in texts], output=pb.OutputOptions(
-        return_hidden=False, pooling=pb.POOLING_MODEL)), timeout=120)
+    response = await s.stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text=t) for t in texts],
+                                                    output=pb.OutputOptions(return_hidden=False,
+                                                                            pooling=pb.POOLING_MODEL)), timeout=120)
     np.testing.assert_allclose(vectors, [from_tensor(o.pooled) for o in response.outputs], rtol=0, atol=1e-6)
 
 
