@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 SERVERS = ("aiohttp", "starlette", "asgi")
@@ -103,7 +104,7 @@ _TARGETS = {"aiohttp": _serve_aiohttp, "starlette": _serve_starlette, "asgi": _s
 
 
 def _cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
