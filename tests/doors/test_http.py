@@ -303,3 +303,26 @@ async def test_the_http_port_is_off_at_minus_one_and_a_taken_one_fails_the_build
     with pytest.raises(OSError, match=r"HTTP port 127\.0\.0\.1:\d+ is already in use.*ATTN_HTTP_PORT"):
         build_server(test_config(Path(str(taken.server.config.model)), http_port=taken.server.http_port),
                      CollectorRegistry())
+
+
+async def test_oversized_request_lines_and_headers_are_400_and_logged_without_tracebacks(
+        served_http: Running, caplog: pytest.LogCaptureFixture) -> None:
+    port = served_http.server.http_port
+
+    async def first_line(data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(data)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        return line.strip()
+
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+    assert await first_line(head + b"X-Big: " + b"a" * 9000 + b"\r\n\r\n") == b"HTTP/1.0 400 Bad Request"
+    assert await first_line(head + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n") == \
+        b"HTTP/1.0 400 Bad Request"
+    assert await first_line(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n") == b"HTTP/1.0 400 Bad Request"
+    assert await first_line(b"\x16\x03\x01 not http\r\n\r\n") == b"HTTP/1.0 400 Bad Request"
+    assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info], caplog.records
+    async with httpx.AsyncClient(base_url=url(served_http)) as http:
+        assert (await http.get("/health")).status_code == 200

@@ -7,7 +7,7 @@ finish. TLS with the gRPC port's certificate and key (mutual TLS with `tls_clien
 checked as on gRPC (service/doors/security.py), health routes exempt. Limits: the body by
 `max_message_bytes` (413, its Content-Length checked before reading), `http_read_timeout_s` for it
 to arrive (408), aiohttp's bounds on the request line and headers (8190 bytes each, 128 headers:
-400/431), `http_keepalive_s` of idle keep-alive. A caller that disconnects cancels its handler, and
+400), `http_keepalive_s` of idle keep-alive. A caller that disconnects cancels its handler, and
 with it its queued work (handler_cancellation; service/doors/calls.py `Calls.compute` cancels its items).
 
 Every call of a route (health routes aside) is counted in attention_requests_total{method, code} with
@@ -64,6 +64,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HEALTH = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
 MAX_HEADERS = 128
 MAX_LINE = 8190
+
+
+class _PeerErrors(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's log of a request it refused itself (a malformed request line, headers over the bounds):
+    one line at INFO without a traceback. The caller has its 400; anyone can send these, so they must
+    not fill the log with ERROR tracebacks."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        kind = type(exc_info).__name__ if isinstance(exc_info, BaseException) else "error"
+        self.logger.info("%s: %s", str(msg) % args, kind)
 
 
 def _encode_error(error: ServiceError, status: int) -> dict[str, Any]:
@@ -124,6 +134,7 @@ class HttpDoor:
         self.port: int = self._socket.getsockname()[1]
         self._runner = web.AppRunner(
             self.app, handle_signals=False, access_log=None, handler_cancellation=True,
+            logger=_PeerErrors(logging.getLogger("service.doors.http.peer"), {}),
             keepalive_timeout=config.http_keepalive_s, max_line_size=MAX_LINE, max_field_size=MAX_LINE,
             max_headers=MAX_HEADERS, shutdown_timeout=config.drain_grace_s)
         self._started = False
