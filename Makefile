@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# Two steps: what running needs (requirements.txt, `make run`), then the development set on top (`make test`).
+RUN_STAMP := $(VENV)/.runtime-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto
 
@@ -9,15 +11,22 @@ PROTOS := proto/attention/v1/attention.proto
 	gpu-minilm \
 	system-deps clean
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-nodeps.txt
+# Not quiet: the first install downloads torch (about 200 MB) and takes a minute or more.
+$(RUN_STAMP): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing the service's runtime requirements (requirements.txt: torch CPU, grpcio, tokenizers, ...) into $(VENV)"
+	$(BIN)/pip install --disable-pip-version-check -r requirements.txt
+	rm -f $(VENV)/.runtime-* && touch $@
+
+$(STAMP): $(RUN_STAMP) requirements-dev.txt requirements-nodeps.txt
+	@echo "installing the development and test requirements (requirements-dev.txt, requirements-nodeps.txt) into $(VENV)"
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements-dev.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
 
-run: $(STAMP)  ## start the service on the built-in default model (127.0.0.1:50051, metrics 127.0.0.1:9464)
+run: $(RUN_STAMP)  ## start the service on the built-in default model (127.0.0.1:50051, metrics 127.0.0.1:9464)
 	$(BIN)/python -m service
 
 system-deps:  ## Debian packages the tests use (prometheus, promtool); no-op when present

@@ -2,7 +2,8 @@
 
     from client import EncoderClient, SyncEncoderClient, ClientError
 
-`python -m client --help` is the command-line tool; `python -m client.health` the probe.
+`attention-client --help` (or `python -m client --help`) is the command-line tool; `python -m client.health`
+the probe. Installed alone with `pip install ./client` (docs/client.md).
 """
 
 from client.channel import TLS, RetryPolicy, channel_options, resolve_target, service_config

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,7 @@ from client.channel import DEFAULT_TIMEOUT_S, SERVICE
 from client.client import SyncEncoderClient
 from client.entropy import entropy_per_head
 from client.errors import ClientError
-from client.messages import DTYPES, EncodeResult, ModelInfo
+from client.messages import DTYPE_NAMES, EncodeResult, FloatArray, ModelInfo
 
 
 class UsageError(Exception):
@@ -66,10 +67,10 @@ def read_sequences(args: argparse.Namespace) -> list[Any]:
     return sequences
 
 
-def arrays_of(result: EncodeResult) -> dict[str, npt.NDArray[np.float32]]:
+def arrays_of(result: EncodeResult) -> dict[str, FloatArray]:
     """Named output arrays: `pooled` [N, d_model]; `hidden`/`attention` for one sequence, else
     `hidden_<i>`/`attention_<i>` (lengths differ)."""
-    out: dict[str, npt.NDArray[np.float32]] = {}
+    out: dict[str, FloatArray] = {}
     if result.pooled:
         out["pooled"] = np.stack(result.pooled)
     for name, arrays in (("hidden", result.hidden), ("attention", result.attention)):
@@ -93,6 +94,22 @@ def result_json(result: EncodeResult) -> dict[str, Any]:
     return {"request_id": result.request_id, "metadata": asdict(result.metadata), "outputs": outputs}
 
 
+OUT_SUFFIXES = (".npy", ".npz", ".json")
+
+
+def check_out(out: Path, suffixes: tuple[str, ...], flag: str = "--out") -> None:
+    """Refuse, before any call, an output file that could not be written: its folder missing, or a
+    file type we do not write."""
+    if out.suffix not in suffixes:
+        raise UsageError(f"{flag} {out}: use a {', '.join(suffixes[:-1])}{' or ' if len(suffixes) > 1 else ''}"
+                         f"{suffixes[-1]} file")
+    folder = out.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {out}: the folder {folder} does not exist; create it first (mkdir -p {folder})")
+    if out.is_dir():
+        raise UsageError(f"{flag} {out}: is a folder; give a file name")
+
+
 def write_result(result: EncodeResult, out: Path) -> str:
     if out.suffix == ".json":
         out.write_text(json.dumps(result_json(result)))
@@ -111,7 +128,7 @@ def write_result(result: EncodeResult, out: Path) -> str:
     raise UsageError(f"--out {out}: use a .npy, .npz or .json file")
 
 
-def _preview(array: npt.NDArray[np.float32], count: int) -> str:
+def _preview(array: FloatArray, count: int) -> str:
     flat = array.reshape(-1)
     values = ", ".join(f"{v:.4f}" for v in flat[:count])
     return f"[{values}{', ...' if flat.size > count else ''}]"
@@ -155,6 +172,8 @@ def _client(args: argparse.Namespace, timeout: float = DEFAULT_TIMEOUT_S) -> Syn
 
 def cmd_encode(args: argparse.Namespace) -> int:
     sequences = read_sequences(args)
+    if args.out:
+        check_out(Path(args.out), OUT_SUFFIXES)
     with _client(args) as client:
         result = client.encode(sequences, pooling=args.pooling, return_hidden=not args.no_hidden,
                                output_dtype=args.dtype, attention=args.attention, layers=args.layers,
@@ -201,6 +220,13 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     sequences = read_sequences(args)
+    out = Path(args.out)
+    check_out(out, (".png",))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("plot draws with matplotlib, which is not installed: pip install \"./client[plot]\" "
+                         "(or pip install matplotlib)") from None
     ids = sequences[0]
     text = isinstance(ids, str)
     head_mean = args.head == "mean"
@@ -208,35 +234,45 @@ def cmd_plot(args: argparse.Namespace) -> int:
         raise UsageError(f"--head must be a head index or 'mean'; got {args.head!r}")
     with _client(args) as client:
         info = client.model_info()
+        # Checked here, before the forward: the server would refuse a bad layer too, but --entropy asks
+        # for every layer, so only this check sees --layer there.
+        if not -info.n_layers <= args.layer < info.n_layers:
+            raise UsageError(f"--layer {args.layer} not in [-{info.n_layers}, {info.n_layers}): the model has "
+                             f"{info.n_layers} layers")
+        if not head_mean and not -info.n_heads <= int(args.head) < info.n_heads:
+            raise UsageError(f"--head {args.head} not in [-{info.n_heads}, {info.n_heads}): the model has "
+                             f"{info.n_heads} heads")
         layers = list(range(info.n_layers)) if args.entropy else [args.layer]  # entropy: every layer and head
+        # Over the model's limit: refused as `encode` refuses it, unless --truncate cuts it (the title says so).
         result = client.encode([ids], pooling="none", return_hidden=False, layers=layers,
                                heads="all" if args.entropy or not head_mean else "mean", causal=args.causal,
-                               return_tokens=text, truncate=text)
+                               return_tokens=text, truncate=args.truncate)
     every = result.attention[0]  # [L, H or 1, T, T]
-    attention = every[[args.layer % info.n_layers]] if args.entropy else every  # [1, H or 1, T, T]
+    layer = args.layer % info.n_layers
+    attention = every[[layer]] if args.entropy else every  # [1, H or 1, T, T]
     if args.entropy and head_mean:
         attention = attention.mean(axis=1, keepdims=True)
     if head_mean:
         weights, head_label = attention[0, 0], "mean of heads"
     else:
         head = int(args.head)
-        if not -info.n_heads <= head < info.n_heads:
-            raise UsageError(f"--head {head} not in [-{info.n_heads}, {info.n_heads})")
         weights, head_label = attention[0, head], f"head {head % info.n_heads}"
-    layer = args.layer % info.n_layers
-    title = f"{info.name} v{info.version}: layer {layer}, {head_label}" + (" (causal)" if args.causal else "")
+    cut = " (truncated)" if result.truncated[0] else ""
+    title = f"{info.name} v{info.version}: layer {layer}, {head_label}" + (" (causal)" if args.causal else "") + cut
     entropy = None
     if args.entropy:
         entropy = entropy_per_head(every, causal=args.causal)
         for layer_i, row in enumerate(entropy):
             print(f"entropy layer {layer_i}: " + " ".join(f"{v:.3f}" for v in row))
     labels: Any = result.tokens[0] if text else ids if ids.ndim == 1 else None
-    save_heatmap(weights, labels, title, Path(args.out), dpi=args.dpi, entropy=entropy)
-    print(f"wrote {args.out}: {title}, {weights.shape[0]} tokens")
+    if cut and labels is not None:
+        labels = labels[:weights.shape[0]]
+    save_heatmap(weights, labels, title, out, dpi=args.dpi, entropy=entropy)
+    print(f"wrote {out}: {title}, {weights.shape[0]} tokens")
     return 0
 
 
-def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | list[str] | None, title: str, out: Path,
+def save_heatmap(weights: FloatArray, ids: npt.NDArray[Any] | list[str] | None, title: str, out: Path,
                  *, dpi: int = 120, entropy: npt.NDArray[np.float64] | None = None) -> None:
     """Query rows x key columns; tick labels are `position:id` for short token-id inputs, and the tokens
     themselves for text (a list of token strings). With `entropy` ([L, H], client/entropy.py), a second
@@ -290,11 +326,13 @@ def save_heatmap(weights: npt.NDArray[np.float32], ids: npt.NDArray[Any] | list[
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from client.load import parse_lengths, run_load
+    from client.load import generated_texts, parse_lengths, read_texts, run_load
 
     try:
         lengths = parse_lengths(args.lengths if args.lengths else str(args.length))
-    except ValueError as exc:
+        source = (read_texts(args.text_file) if args.text_file else
+                  generated_texts(256, lengths, args.seed) if args.generated_text else None)
+    except (OSError, ValueError) as exc:
         raise UsageError(str(exc)) from exc
     duration = args.duration if args.duration is not None or args.requests is not None else 10.0
     try:
@@ -303,7 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             lengths=lengths, sequences_per_request=args.seq_per_call, warmup_s=args.warmup, seed=args.seed,
             attention=args.attention, dtype=args.dtype, pooling=args.pooling, timeout=args.timeout or DEFAULT_TIMEOUT_S,
             connections=args.connections, tls=tls_of(args), token=token_of(args), progress=not args.no_progress,
-            stream=args.stream,
+            stream=args.stream, text_source=source,
         ))
     except ValueError as exc:
         if isinstance(exc, ClientError):
@@ -329,11 +367,13 @@ def _input_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description="Command-line client of the attention "
+    invoked = Path(sys.argv[0]).name
+    prog = "python -m client" if invoked in ("__main__.py", "-c", "") else invoked  # attention-client, as installed
+    parser = argparse.ArgumentParser(prog=prog, description="Command-line client of the attention "
                                      "encoder service: encode, tokenize, info, health, plot, bench.")
     add_connection_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    dtypes = sorted(k for k in DTYPES if "float" in k)
+    dtypes = DTYPE_NAMES  # exactly the library's output_dtype names
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
@@ -343,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("encode", "encode sequences; print shapes and a preview, or write --out")
     _input_arguments(p)
     p.add_argument("--pooling", choices=("none", "mean", "cls", "model"), default=None,
-                   help="default: model (the model's own) for text, none otherwise")
+                   help="default: model (the model's own) on a model served with a tokenizer, for text and "
+                   "ids alike; none otherwise")
     p.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                    help="L2-normalise pooled vectors (default: the model's)")
     p.add_argument("--prompt", default="", help="text: one of the model's named prompts (python -m client info)")
@@ -387,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dpi", type=int, default=120)
     p.add_argument("--entropy", action="store_true",
                    help="also draw the normalised attention entropy per layer and head beside the heatmap")
+    p.add_argument("--truncate", action="store_true",
+                   help="cut a sequence over the model's limit (the title says '(truncated)'); without it such "
+                   "a sequence is refused, as encode refuses it")
     p.add_argument("--out", required=True, help="PNG file to write")
     p.set_defaults(run=cmd_plot)
 
@@ -402,7 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", action="store_true", help="ask for attention weights (all layers)")
     p.add_argument("--dtype", choices=dtypes, default="float32", help="wire precision of the outputs")
-    p.add_argument("--pooling", choices=("none", "mean", "cls"), default="none")
+    p.add_argument("--pooling", choices=("none", "mean", "cls", "model"), default="none",
+                   help="model: the model's own (text models) [default none]")
+    texts = p.add_mutually_exclusive_group()
+    texts.add_argument("--text-file", metavar="FILE",
+                       help="send text: one text per line of FILE (UTF-8), drawn at random; the model must take "
+                       "text (cut at its limit)")
+    texts.add_argument("--generated-text", action="store_true",
+                       help="send generated text: random words, --length/--lengths words per text")
     p.add_argument("--connections", type=int, default=1, help="gRPC connections, callers spread over them")
     p.add_argument("--stream", action="store_true",
                    help="send the callers' requests over one EncodeStream per connection, not one call each")
@@ -422,7 +473,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ClientError as exc:
-        where = f" (field {exc.field})" if exc.field and exc.field not in exc.message else ""
-        print(f"error: {exc.code}: {exc.message}{where}", file=sys.stderr)
+        message = cli_words(exc.message)
+        field = cli_words(exc.field) if exc.field else None
+        where = f" (field {field})" if field and field not in message else ""
+        print(f"error: {exc.code}: {message}{where}", file=sys.stderr)
         return 1
     return code
+
+
+# The server's messages name request fields; the CLI's user knows its flags. Phrases first, then names.
+CLI_WORDS: tuple[tuple[str, str], ...] = (
+    (r"\bset truncate to cut it\b", "give --truncate to cut it"),
+    (r"\btruncate = true\b", "--truncate"),
+    (r"\breturn_attention is false\b", "--attention is not given"),
+    (r"\bPOOLING_MODEL\b", "--pooling model"),
+    (r"\bPOOLING_MEAN\b", "--pooling mean"),
+    (r"\bPOOLING_CLS\b", "--pooling cls"),
+    (r"\bHEADS_MEAN\b", "--heads mean"),
+    (r"\bFLOAT16\b", "--dtype float16"),
+    (r"\boutput\.pooling\b", "--pooling"),
+    (r"\boutput\.normalize\b", "--normalize"),
+    (r"\b(?:output\.)?prompt_name\b", "--prompt"),
+    (r"\b(?:output|attention)\.dtype\b", "--dtype"),
+    (r"\battention\.layers\b", "--layers"),
+    (r"\blong_inputs\b", "--long-inputs"),
+    (r"\bchunk_stride\b", "--stride"),
+)
+
+
+def cli_words(text: str) -> str:
+    """A server message or field name in the CLI's terms: "set truncate" -> "give --truncate",
+    chunk_stride -> --stride, long_inputs -> --long-inputs, and so on (`CLI_WORDS`)."""
+    for pattern, words in CLI_WORDS:
+        text = re.sub(pattern, words, text)
+    return text

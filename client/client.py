@@ -10,6 +10,7 @@ Failed calls raise `client.errors.ClientError` subclasses, never a raw `grpc.Rpc
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self
@@ -74,6 +75,24 @@ class _Base:
                                         health_check=health_check, extra=options)
         self._probe_options = [*self._options, *HEALTH_PROBE_OPTIONS]
         self._max_message_bytes = max_message_bytes
+        # Whether the served model takes text (has a tokenizer): asked once, when a call leaves the
+        # pooling to the client and sends no text (see `encode`'s pooling).
+        self._text_model: bool | None = None
+
+    def _pooling_unknown(self, options: EncodeOptions, request: pb.EncodeRequest) -> bool:
+        """The call leaves its pooling open and sends no text: the default waits on the model's kind."""
+        return options.pooling is None and self._text_model is None and not any(
+            s.WhichOneof("input") == "text" for s in request.sequences)
+
+    def _default_pooling(self, options: EncodeOptions, request: pb.EncodeRequest) -> pb.EncodeRequest:
+        """pooling=None on a text model: the model's own, for ids and embeddings as for text."""
+        if options.pooling is None and self._text_model and request.output.pooling == pb.POOLING_NONE:
+            request.output.pooling = pb.POOLING_MODEL
+        return request
+
+    def _learned(self, info: ModelInfo) -> ModelInfo:
+        self._text_model = info.text is not None
+        return info
 
     def _request(self, sequences: Sequences, options: EncodeOptions, request_id: str) -> pb.EncodeRequest:
         request = build_request(sequences, options, request_id)
@@ -180,10 +199,15 @@ class EncoderClient(_Base):
         "error" (the default), "truncate" (keep the first max_length tokens; `result.truncated`) or
         "chunk" (encode it in overlapping windows starting every `stride` tokens, 0 = half the window;
         `result.windows`; no attention for such a sequence). None: "truncate" if `truncate`, else "error".
-        `pooling`: "mean" (over the real tokens) or "cls" (the first token) adds `result.pooled`
-        (default: "model" when the call sends text, else none).
+        `pooling`: "mean" (over the real tokens), "cls" (the first token) or "model" (the model's own;
+        text models only) adds `result.pooled`, "none" leaves it empty. The default (None) depends on
+        the model, not on the input: on a model served with a tokenizer it is "model", for ids and
+        embeddings as for text (so encoding `tokenize(...)`'s ids equals encoding the texts); on any
+        other model "none". A call without text learns which from one `model_info()` per client.
         `return_hidden=False` leaves `result.hidden` empty. `output_dtype` is the wire precision of
-        hidden and pooled ("float16"/"bfloat16" halve the bytes; returned arrays are float32).
+        hidden and pooled: "float32", "float16" (returned as float16 arrays) or "bfloat16" (half the
+        bytes; returned as float32 arrays holding exactly the bfloat16 values, numpy having no
+        bfloat16 dtype).
         `attention=True` adds `result.attention`, [L, H, T, T] per sequence: `layers` picks layers
         (negative counts from the end; naming layers implies attention), `heads="mean"` averages
         the heads ([L, 1, T, T]), `attention_dtype` as `output_dtype`. `causal` masks lookahead.
@@ -191,8 +215,18 @@ class EncoderClient(_Base):
         """
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
                            normalize, prompt_name, truncate, return_tokens, long_inputs, stride)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._deadline(timeout)
+        request = await self._build(sequences, options, request_id, end)
+        return EncodeResult.from_proto(await self._encode(request, _left(end - loop.time())))
+
+    async def _build(self, sequences: Sequences, options: EncodeOptions, request_id: str,
+                     end: float) -> pb.EncodeRequest:
+        """The request; first the model's kind when the default pooling needs it, within the deadline."""
         request = self._request(sequences, options, request_id)
-        return EncodeResult.from_proto(await self._encode(request, timeout))
+        if self._pooling_unknown(options, request):
+            await self.model_info(timeout=_left(end - asyncio.get_running_loop().time()))
+        return self._default_pooling(options, request)
 
     async def _encode(self, request: pb.EncodeRequest, timeout: float | None) -> pb.EncodeResponse:
         self._open()
@@ -224,7 +258,7 @@ class EncoderClient(_Base):
                                                  metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
-        return ModelInfo.from_proto(info)
+        return self._learned(ModelInfo.from_proto(info))
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """`grpc.health.v1` status of `service` ("" = the process, "attention.v1.AttentionService" =
@@ -244,24 +278,31 @@ class EncoderClient(_Base):
     async def encode_stream(self, requests: AsyncIterable[StreamRequest] | Iterable[StreamRequest], *,
                             timeout: float | None = None,
                             max_reopens: int = DEFAULT_STREAM_REOPENS) -> AsyncIterator[EncodeResult | ClientError]:
-        """Send requests over a bidirectional stream; yield one item per request, in completion
-        order: an `EncodeResult`, or the `ClientError` of a request that failed (its
-        `request_id` set; the stream goes on). `timeout` bounds the whole stream. A failure of
-        the stream itself raises; so does a request the client cannot build (`InvalidArgument`)
-        or an error of `requests` itself, after the requests sent before it have been answered.
+        """Send `StreamRequest`s over a bidirectional stream; yield one item per request, in completion
+        order: an `EncodeResult`, or the `ClientError` of a request that failed (its `request_id`
+        set; the stream goes on). `requests` is an iterable or async iterable of `StreamRequest`
+        (anything else raises `TypeError`). `timeout` bounds the whole stream. A failure of the
+        stream itself raises; so does a request the client cannot build (`InvalidArgument`,
+        `TypeError`) or an error of `requests` itself, after the requests sent before it have been
+        answered. Pooling as in `encode` (None: the model's own on a text model).
 
         A stream is one HTTP/2 stream, pinned to one server (a balancer cannot move or retry it once
-        answers flow). When that server drains (it answers a request UNAVAILABLE) or the stream breaks
-        with UNAVAILABLE (the server crashed, a proxy lost it), the stream is reopened, up to
-        `max_reopens` times (0: never), where the channel's balancer sends it, and the requests that
-        got no answer are sent again. Encoding is idempotent, so the caller sees each request answered
-        exactly once and no error from a drain or a crash. Request ids must be unique among the
-        requests not yet answered (an empty id is replaced by the request's index). To spread one
-        caller's load over several servers, open several streams."""
+        answers flow). When that server drains (it answers a request UNAVAILABLE) or the stream is
+        lost (UNAVAILABLE; a reset; any end grpc reports without a status from the server, such as
+        INTERNAL "Internal error from Core" when the server was killed), the stream is reopened, up
+        to `max_reopens` times (0: never), where the channel's balancer sends it, and the requests
+        that got no answer are sent again. Encoding is idempotent, so the caller sees each request
+        answered exactly once and no error from a drain or a crash. Request ids must be unique among
+        the requests not yet answered (an empty id is replaced by the request's index). To spread
+        one caller's load over several servers, open several streams."""
         if max_reopens < 0:
             raise ValueError(f"max_reopens must be >= 0; got {max_reopens}")
+        if isinstance(requests, StreamRequest | str | bytes) or not isinstance(requests, AsyncIterable | Iterable):
+            raise TypeError(f"encode_stream takes an iterable (or async iterable) of StreamRequest; got "
+                            f"{type(requests).__name__} (one request: [StreamRequest(sequences)])")
         self._open()
-        end = asyncio.get_running_loop().time() + self._deadline(timeout)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._deadline(timeout)
         # One task reads the caller's requests for every stream in turn: a stream that is stopped
         # must not cancel (and so close) the caller's generator.
         queue: asyncio.Queue[pb.EncodeRequest | None] = asyncio.Queue(maxsize=1)
@@ -269,62 +310,81 @@ class EncoderClient(_Base):
         pending: dict[str, pb.EncodeRequest] = {}  # sent, not yet answered, in sending order
         ended = False  # the caller's requests are all taken
 
+        async def build(index: int, item: object) -> pb.EncodeRequest:
+            if not isinstance(item, StreamRequest):
+                raise TypeError(f"encode_stream takes StreamRequest items, e.g. StreamRequest([ids], "
+                                f"request_id='a'); item {index} is a {type(item).__name__}")
+            return await self._build(item.sequences, item.options, item.request_id or str(index), end)
+
         async def pump() -> None:
             index = 0
             try:
                 if isinstance(requests, AsyncIterable):
                     async for item in requests:
-                        await queue.put(self._request(item.sequences, item.options, item.request_id or str(index)))
+                        await queue.put(await build(index, item))
                         index += 1
                 else:
                     for item in requests:
-                        await queue.put(self._request(item.sequences, item.options, item.request_id or str(index)))
+                        await queue.put(await build(index, item))
                         index += 1
             except Exception as exc:
-                # Raised inside grpc's sending task it would only cancel the call: end the request
-                # stream instead, let the requests already sent finish, then raise it to the caller.
+                # End the request stream instead, let the requests already sent finish, then raise
+                # it to the caller.
                 failure.append(exc)
             await queue.put(None)
 
-        async def messages(resend: list[pb.EncodeRequest], draining: asyncio.Event) -> AsyncIterator[pb.EncodeRequest]:
+        def accept(taken: pb.EncodeRequest | None) -> pb.EncodeRequest | None:
+            """Record a request taken from the queue in `pending`; None when there is none to send."""
             nonlocal ended
-            for request in resend:
-                yield request
-            while not ended:
-                take = asyncio.ensure_future(queue.get())
-                stop = asyncio.ensure_future(draining.wait())
-                try:
-                    await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    stop.cancel()
+            if taken is None:
+                ended = True
+                return None
+            if taken.request_id in pending:
+                failure.append(InvalidArgument(
+                    "INVALID_ARGUMENT", f"request_id {taken.request_id!r} is already in flight on this "
+                    "stream; ids must be unique among unanswered requests", field="request_id"))
+                ended = True
+                return None
+            pending[taken.request_id] = taken
+            return taken
+
+        async def write(call: Any, resend: list[pb.EncodeRequest], draining: asyncio.Event) -> None:
+            """This stream's sender, cancelled when the stream ends. A request is in `pending` before it
+            is written, so the next stream sends it again whatever happens to this one."""
+            try:
+                for again in resend:
+                    await call.write(again)
+                while not ended:
+                    take = asyncio.ensure_future(queue.get())
+                    stop = asyncio.ensure_future(draining.wait())
+                    try:
+                        await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    except asyncio.CancelledError:
+                        if take.done() and not take.cancelled():
+                            accept(take.result())  # taken as the stream ended: the next stream sends it
+                        raise
+                    finally:
+                        stop.cancel()
+                        if not take.done():
+                            take.cancel()  # a get cancelled before it returned takes nothing from the queue
                     if not take.done():
-                        take.cancel()  # a get cancelled before it returned takes nothing from the queue
-                if not take.done():
-                    return  # draining: half-close, so the server answers what it holds and ends
-                taken = take.result()
-                if taken is None:
-                    ended = True
-                    return
-                request = taken
-                if request.request_id in pending:
-                    failure.append(InvalidArgument(
-                        "INVALID_ARGUMENT", f"request_id {request.request_id!r} is already in flight on this "
-                        "stream; ids must be unique among unanswered requests", field="request_id"))
-                    ended = True
-                    return
-                pending[request.request_id] = request
-                if draining.is_set():  # taken as the drain was seen: keep it for the next stream
-                    return
-                yield request
+                        break  # draining: half-close, so the server answers what it holds and ends
+                    request = accept(take.result())
+                    if request is None or draining.is_set():
+                        break  # no more requests; or taken as the drain was seen: the next stream sends it
+                    await call.write(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+                pass  # the stream has ended; its reader says how
 
         pumping = asyncio.create_task(pump())
         reopens = 0
         try:
             while True:
                 draining = asyncio.Event()
-                remaining = end - asyncio.get_running_loop().time()
-                call = self._stub.EncodeStream(messages(list(pending.values()), draining),
-                                               timeout=max(remaining, 1e-3), metadata=self._metadata)
+                remaining = end - loop.time()
+                call = self._stub.EncodeStream(timeout=max(remaining, 1e-3), metadata=self._metadata)
+                writer = asyncio.create_task(write(call, list(pending.values()), draining))
                 broken: grpc.aio.AioRpcError | None = None
                 try:
                     async for response in call:
@@ -346,6 +406,8 @@ class EncoderClient(_Base):
                     broken = exc
                 finally:
                     call.cancel()  # no-op once finished; stops the stream when the caller stops early
+                    writer.cancel()
+                    await asyncio.gather(writer, return_exceptions=True)
                 if ended and not pending:
                     break
                 if reopens >= max_reopens:
@@ -362,13 +424,26 @@ class EncoderClient(_Base):
             raise failure[0]
 
 
+def _left(seconds: float) -> float:
+    """What is left of a deadline, as a call's timeout; DeadlineExceeded once it has passed."""
+    if seconds <= 0:
+        raise error_for("DEADLINE_EXCEEDED", "the deadline passed before the call was sent (the model info it "
+                        "needed took it)")
+    return seconds
+
+
 def _stream_broken(error: grpc.aio.AioRpcError) -> bool:
-    """The stream was lost rather than answered: UNAVAILABLE (the server went away or refused), or a
-    reset stream, which grpc reports as INTERNAL "RST_STREAM" and a proxy sends when the server
-    behind it dies mid-stream (no status came from the server itself)."""
+    """The stream was lost rather than answered by the server: UNAVAILABLE (the server went away or
+    refused), a reset stream (grpc reports INTERNAL "RST_STREAM"; a proxy sends one when the server
+    behind it dies mid-stream), or any INTERNAL/UNKNOWN that grpc made up itself rather than received
+    as the server's status (e.g. "Internal error from Core" when a write meets a killed server's
+    connection). A status the server sent says "Error received from peer" in grpc's debug string."""
     code = error.code()
-    return code == grpc.StatusCode.UNAVAILABLE or (
-        code == grpc.StatusCode.INTERNAL and "RST_STREAM" in (error.details() or ""))
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+        return False
+    return "RST_STREAM" in (error.details() or "") or "received from peer" not in (error.debug_error_string() or "")
 
 
 class SyncEncoderClient(_Base):
@@ -407,9 +482,13 @@ class SyncEncoderClient(_Base):
         """See `EncoderClient.encode`."""
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
                            normalize, prompt_name, truncate, return_tokens, long_inputs, stride)
+        end = time.monotonic() + self._deadline(timeout)
         request = self._request(sequences, options, request_id)
+        if self._pooling_unknown(options, request):
+            self.model_info(timeout=_left(end - time.monotonic()))
+        request = self._default_pooling(options, request)
         try:
-            response = self._stub.Encode(request, timeout=self._deadline(timeout), metadata=self._metadata)
+            response = self._stub.Encode(request, timeout=_left(end - time.monotonic()), metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         return EncodeResult.from_proto(response)
@@ -431,7 +510,7 @@ class SyncEncoderClient(_Base):
                                            metadata=self._metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
-        return ModelInfo.from_proto(info)
+        return self._learned(ModelInfo.from_proto(info))
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """See `EncoderClient.health`."""

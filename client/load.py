@@ -4,7 +4,11 @@
 and serialized once, up front, and sent as raw bytes through a generic `unary_unary` with identity
 serializers, so the generator spends its CPU on gRPC, not on numpy or protobuf. Calls are not
 retried (retries would hide errors). The run stops after `duration_s` or `max_requests` measured
-calls, whichever comes first; calls started during `warmup_s` are made but not measured.
+calls, whichever comes first; calls started during `warmup_s` are made but not measured. A caller
+whose call fails UNAVAILABLE (the server is down or draining) waits before its next one, 50 ms
+doubling to 1 s while the failures last, so a dead server gets a few calls a second, not a flood.
+With `text_source`, requests carry text (a text model benchmarked with its own inputs; the token
+counts are the server's Tokenize answer, asked once before the run).
 
 With `stream`, the callers' requests go instead over one EncodeStream per connection, each still
 waiting for its own answer (matched by request_id) before it sends the next: the same closed loop
@@ -35,9 +39,30 @@ from client.messages import DTypeName, EncodeOptions, ModelInfo, Pooling, build_
 from proto.attention.v1 import attention_pb2 as pb
 
 GET_MODEL_INFO = f"/{SERVICE}/GetModelInfo"
+TOKENIZE = f"/{SERVICE}/Tokenize"
+BACKOFF_S = (0.05, 1.0)  # after an UNAVAILABLE: the first wait, and the most, doubling in between
+WORDS = ("the a of and to in is for on with as by at from that this it be are was model attention "
+         "service encoder token sentence vector search query document text embedding layer head batch "
+         "server client request answer fast small large first last new old open closed running reading "
+         "learned building written data index score rank 2024 3.14 100 , . ; : ! ? ( ) - café naïve").split()
 MAX_DURATION_S = 600.0
 MAX_REQUESTS = 10_000_000
 MAX_CONCURRENCY = 4096
+
+
+def generated_texts(count: int, words: tuple[int, int], seed: int = 0) -> list[str]:
+    """`count` texts of random English-like words, each of a length uniform in `words` (both included)."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(rng.integers(words[0], words[1] + 1)))) for _ in range(count)]
+
+
+def read_texts(path: str) -> list[str]:
+    """One text per line of a UTF-8 file; blank lines are skipped."""
+    with open(path, encoding="utf-8") as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    if not texts:
+        raise ValueError(f"{path}: no text in it (one text per line)")
+    return texts
 
 
 def parse_lengths(text: str) -> tuple[int, int]:
@@ -179,12 +204,15 @@ async def run_load(
     pooling: Pooling = "none", return_hidden: bool = True, timeout: float = 30.0, connections: int = 1,
     tls: TLS | None = None, token: str | None = None, pool_size: int = 256, progress: bool = False,
     stream: bool = False, texts: Sequence[tuple[str, int]] | None = None,
+    text_source: Sequence[str] | None = None,
 ) -> BenchReport:
     """Closed-loop load on `target` (see the module docstring); returns what was measured.
 
     At least one of `duration_s` (at most 600 s) and `max_requests` (at most 10 million) must be
     given. `dtype` is the output (and attention) wire precision. `progress` draws a tqdm bar on
-    stderr. Raises `ClientError` when the model info cannot be read (server down).
+    stderr (when tqdm is installed). `texts`: (text, token count) pairs to send instead of random
+    ids; `text_source`: texts whose counts the server's tokenizer gives (ValueError for a model that
+    takes no text). Raises `ClientError` when the model info cannot be read (server down).
     """
     if duration_s is None and max_requests is None:
         raise ValueError("give duration_s or max_requests (or both): the run must be bounded")
@@ -211,6 +239,11 @@ async def run_load(
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         info = ModelInfo.from_proto(pb.ModelInfo.FromString(raw_info))
+        if text_source is not None:
+            source = list(text_source)
+            if len(source) > pool_size:  # a random pool_size of them, as with ids
+                source = [source[int(i)] for i in np.random.default_rng(seed).choice(len(source), pool_size, False)]
+            texts = await _token_counts(channels[0], metadata, timeout, info, source)
         encode_options = EncodeOptions(pooling=pooling, return_hidden=return_hidden, output_dtype=dtype,
                                        attention=attention, attention_dtype=dtype,
                                        truncate=texts is not None)  # text: cut at the model's limit
@@ -240,10 +273,33 @@ async def run_load(
             await channel.close()
 
 
+async def _token_counts(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], timeout: float,
+                        info: ModelInfo, texts: list[str]) -> list[tuple[str, int]]:
+    """(text, its token count as the served tokenizer cuts it at the model's limit) for each text."""
+    if info.text is None:
+        raise ValueError(f"model {info.name} takes no text (it is served without a tokenizer); bench it with ids "
+                         "(without --text-file / --generated-text)")
+    tokenize = channel.unary_unary(TOKENIZE)
+    counts: list[int] = []
+    step = max(1, info.limits.max_sequences_per_call)
+    for start in range(0, len(texts), step):
+        request = pb.TokenizeRequest(texts=texts[start:start + step], truncate=True)
+        try:
+            raw = await tokenize(request.SerializeToString(), timeout=timeout, metadata=metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        counts += [len(t.ids) for t in pb.TokenizeResponse.FromString(raw).texts]
+    return list(zip(texts, counts, strict=True))
+
+
 async def _drive(calls: list[Calls], pool: list[_Prepared], *, info: ModelInfo, target: str, concurrency: int,
                  duration_s: float | None, max_requests: int | None, warmup_s: float, progress: bool,
                  settings: dict[str, Any]) -> BenchReport:
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the service's runtime set has no tqdm (requirements.txt): no bar
+        tqdm = None
+    progress = progress and tqdm is not None
 
     latencies: list[float] = []
     codes: Counter[str] = Counter()
@@ -259,19 +315,23 @@ async def _drive(calls: list[Calls], pool: list[_Prepared], *, info: ModelInfo, 
     measure_from = started + warmup_s
     stop_at = math.inf if duration_s is None else measure_from + duration_s
     cpu_at_start: list[float] = [_cpu_seconds()] if warmup_s == 0 else []
-    bar = tqdm(total=max_requests, disable=not progress, unit="call", file=sys.stderr, mininterval=0.5,
-               dynamic_ncols=True, desc="warm-up" if warmup_s else "load")
+    bar = tqdm(total=max_requests, unit="call", file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
+               desc="warm-up" if warmup_s else "load") if progress else None
 
     async def mark_measuring() -> None:
         await asyncio.sleep(warmup_s)
         cpu_at_start.append(_cpu_seconds())
-        bar.set_description("load")
+        if bar is not None:
+            bar.set_description("load")
 
     async def caller(index: int) -> None:
         nonlocal claimed, warmup_calls, padded_tokens, real_tokens, sequences
         call = calls[index % len(calls)]
         k = index
+        backoff = 0.0  # the wait before the next call: 0 unless the last one failed UNAVAILABLE
         while True:
+            if backoff:
+                await asyncio.sleep(min(backoff, max(0.0, stop_at - time.perf_counter())))
             t0 = time.perf_counter()
             if t0 >= stop_at:
                 return
@@ -292,9 +352,11 @@ async def _drive(calls: list[Calls], pool: list[_Prepared], *, info: ModelInfo, 
             if measured:
                 latencies.append((time.perf_counter() - t0) * 1e3)
                 codes[code] += 1
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
             if code != "OK" and call.broken:
                 return  # its stream has ended: nothing more can be sent on it
+            backoff = min(max(2 * backoff, BACKOFF_S[0]), BACKOFF_S[1]) if code == "UNAVAILABLE" else 0.0
             if measured and code == "OK":
                 rows.append((m.queue_us, m.compute_us, m.batch_size, m.padded_length))
                 padded_tokens += m.padded_length * item.sequences
@@ -307,7 +369,8 @@ async def _drive(calls: list[Calls], pool: list[_Prepared], *, info: ModelInfo, 
     finally:
         if marker is not None:
             marker.cancel()
-        bar.close()
+        if bar is not None:
+            bar.close()
     ended = time.perf_counter()
     cpu_end = _cpu_seconds()
     elapsed = max(ended - measure_from, 1e-9)

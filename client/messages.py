@@ -1,13 +1,14 @@
 """Python values <-> `attention.v1` messages: request options, results and model info as dataclasses.
 
-Outputs are float32 numpy arrays (fp16/bf16 on the wire are widened), writable, one per sequence.
+Outputs are writable numpy arrays, one per sequence, in the dtype asked for: float32, float16, or for
+bfloat16 float32 arrays holding the bfloat16 values exactly (numpy has no bfloat16 dtype).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +21,7 @@ Pooling = Literal["none", "mean", "cls", "model"]
 Heads = Literal["all", "mean"]
 LongInputs = Literal["error", "truncate", "chunk"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
-FloatArray = npt.NDArray[np.float32]
+FloatArray = npt.NDArray[np.floating[Any]]  # float32, or float16 for output_dtype="float16"
 Sequences = Sequence[npt.ArrayLike | str] | npt.NDArray[np.generic]
 """Token ids (1-D integer, [T]), embeddings (2-D float, [T, d_model]) or text (str, for models served with
 a tokenizer), one item per sequence. A 2-D integer array is taken as rows of ids, a 3-D float array as a
@@ -33,11 +34,10 @@ POOLING: dict[str, pb.Pooling] = {"none": pb.POOLING_NONE, "mean": pb.POOLING_ME
 HEADS: dict[str, pb.HeadReduction] = {"all": pb.HEADS_ALL, "mean": pb.HEADS_MEAN}
 LONG_INPUTS: dict[str, pb.LongInputs] = {"error": pb.LONG_INPUTS_ERROR, "truncate": pb.LONG_INPUTS_TRUNCATE,
                                          "chunk": pb.LONG_INPUTS_CHUNK}
-DTYPES: dict[str, pb.DType] = {
-    "float32": pb.DTYPE_FLOAT32, "fp32": pb.DTYPE_FLOAT32,
-    "float16": pb.DTYPE_FLOAT16, "fp16": pb.DTYPE_FLOAT16,
-    "bfloat16": pb.DTYPE_BFLOAT16, "bf16": pb.DTYPE_BFLOAT16,
-}
+DTYPE_NAMES: tuple[str, ...] = get_args(DTypeName)  # the only names: the library's and the CLI's --dtype
+DTYPES: dict[str, pb.DType] = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
+                               "bfloat16": pb.DTYPE_BFLOAT16}
+assert tuple(DTYPES) == DTYPE_NAMES
 
 
 def _choice(name: str, value: str, table: dict[str, E]) -> E:
@@ -49,7 +49,8 @@ def _choice(name: str, value: str, table: dict[str, E]) -> E:
 @dataclass(frozen=True)
 class EncodeOptions:
     """What to compute and return for every sequence of one call (see `EncoderClient.encode`).
-    pooling None: "model" when the call sends text, else "none". long_inputs None: what `truncate` says."""
+    pooling None: the client's default (`EncoderClient.encode`: the model's own on a text model, else
+    "none"; built without a client, "model" when the call sends text). long_inputs None: what `truncate` says."""
 
     pooling: Pooling | None = None
     return_hidden: bool = True
@@ -99,6 +100,11 @@ def to_sequence(index: int, value: npt.ArrayLike | str) -> pb.Sequence:
             array = array.astype(np.int64)
         return pb.Sequence(token_ids=to_tensor(array))
     if kind == "f":
+        if array.ndim == 1:
+            raise InvalidArgument("INVALID_ARGUMENT", f"a 1-D float array (shape {list(array.shape)}) is neither "
+                                  "token ids nor embeddings: token ids must be integers (e.g. "
+                                  "np.asarray(ids, dtype=np.int64)); embeddings are 2-D [T, d_model]",
+                                  field=f"sequences[{index}]")
         if array.ndim != 2:
             raise InvalidArgument("INVALID_ARGUMENT", f"embeddings must be 2-D [T, d_model]; got shape "
                                   f"{list(array.shape)}", field=f"sequences[{index}].embeddings")
@@ -138,9 +144,11 @@ def build_request(sequences: Sequences, options: EncodeOptions, request_id: str 
     )
 
 
-def _float32(tensor: pb.Tensor) -> FloatArray:
-    # A writable float32 copy: from_tensor views the message's bytes read-only, and widens bf16 only.
-    return np.array(from_tensor(tensor), dtype=np.float32, copy=True)
+def _floats(tensor: pb.Tensor) -> FloatArray:
+    """A writable copy in the wire's dtype (float16 stays float16; bfloat16 is widened to float32 by
+    from_tensor, exactly): from_tensor views the message's bytes read-only."""
+    array: FloatArray = np.array(from_tensor(tensor), copy=True)
+    return array
 
 
 @dataclass(frozen=True)
@@ -188,9 +196,9 @@ class EncodeResult:
     def from_proto(cls, response: pb.EncodeResponse) -> EncodeResult:
         outs = response.outputs
         return cls(
-            hidden=[_float32(o.hidden) for o in outs if o.HasField("hidden")],
-            pooled=[_float32(o.pooled) for o in outs if o.HasField("pooled")],
-            attention=[_float32(o.attention) for o in outs if o.HasField("attention")],
+            hidden=[_floats(o.hidden) for o in outs if o.HasField("hidden")],
+            pooled=[_floats(o.pooled) for o in outs if o.HasField("pooled")],
+            attention=[_floats(o.attention) for o in outs if o.HasField("attention")],
             nonfinite=[bool(o.nonfinite) for o in outs],
             metadata=ResponseMetadata.from_proto(response.metadata),
             request_id=response.request_id,

@@ -84,12 +84,14 @@ class ServiceConfig:
                                         "checked before tokenizing")
     max_attention_bytes: int = _opt(16 << 20, "attention weights budget per call, bytes (as returned)")
     allow_attention: bool = _opt(True, "serve attention weights on request (off: FAILED_PRECONDITION)")
-    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept)")
+    default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept); "
+                                          "also bounds the wait for a unary call's request message")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
     # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/doors/front.py)
     max_concurrent_streams: int = _opt(
-        256, "calls one connection may have open at once; a client past it waits for a free stream, a stream "
-             "over it is refused (REFUSED_STREAM) without touching other connections")
+        1024, "calls one connection may have open at once (about 14 KB of server memory each while open); "
+              "past it some calls fail UNAVAILABLE (REFUSED_STREAM, never seen by a handler: safe to retry), "
+              "without touching other connections (docs/limits.md)")
     max_connection_idle_s: float = _opt(600.0, "a connection with no call for this long is closed with GOAWAY; "
                                                "clients reconnect on their next call (0 = never)")
     max_connection_age_s: float = _opt(

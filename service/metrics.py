@@ -13,6 +13,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from service.errors import REASON_OF
+
 # 1 ms .. 10 s, roughly x2 per step (resolves p99 at both ends).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -25,6 +27,11 @@ ENTROPY_BUCKETS = (*(round(0.05 * i, 2) for i in range(1, 20)), 0.99, 1.0)
 # Label values that alert rules watch, created at 0 on start-up: a series born at its first increase
 # has no earlier sample, so rate()/increase() never see that jump and a one-off burst never fires.
 PRECISIONS = ("fp32", "fp16", "bf16")
+# Every `reason` of attention_failures_total (the error table's, and an unexpected exception's) and of
+# attention_dropped_total (service/batching/batcher.py): each series exists at 0 from start-up, so a
+# dashboard panel reads 0, not "No data", on a healthy service, and rate() sees the first failure.
+FAILURE_REASONS = (*dict.fromkeys(REASON_OF.values()), "internal")
+DROP_REASONS = ("cancelled", "deadline", "shutting_down")
 METHODS = ("Encode", "EncodeStream")
 
 
@@ -92,6 +99,10 @@ class Metrics:
             "attention_failures_total", "Failed calls by reason", ["reason"], registry=r)
         self.dropped = Counter(
             "attention_dropped_total", "Queued sequences dropped before compute, by reason", ["reason"], registry=r)
+        for reason in FAILURE_REASONS:
+            self.failures.labels(reason)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
         self.batches = Counter(
             "attention_batches_total", "Batches run, by width: wide (every intra-op thread) or narrow (one model "
             "worker's share, beside another worker's batch)", ["width"], registry=r)

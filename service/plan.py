@@ -142,10 +142,10 @@ class Plan:
 ResponseSize = Callable[[Plan, ModelSpec], Sizes]
 
 
-def check_count(n: int, config: ServiceConfig, field: str) -> None:
+def check_count(n: int, config: ServiceConfig, field: str, what: str = "sequences") -> None:
     """The call's number of sequences, 1..max_sequences_per_call (a door checks it before decoding them)."""
     if not 1 <= n <= config.max_sequences_per_call:
-        raise InvalidInput(field, f"must hold 1..{config.max_sequences_per_call} sequences; got {n}")
+        raise InvalidInput(field, f"must hold 1..{config.max_sequences_per_call} {what}; got {n}")
 
 
 def takes_text(spec: ModelSpec, field: str) -> None:
@@ -190,30 +190,30 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
         raise InvalidInput(names.output, "nothing to return: hidden states off, no pooling, no attention")
 
     text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
+    lengths = [len(enc.ids) if enc is not None else len(item) for enc, item in zip(texts or [None] * len(inputs),
+                                                                                    inputs, strict=True)]
+    limits = [text_window if texts and texts[i] is not None else spec.max_length for i in range(len(inputs))]
+    _check_tokens(lengths, limits, long, config, names, lambda i: names.of(i, _kind(inputs[i])))
     jobs: list[Job] = []
     windows: list[tuple[int, int]] = []  # (sequence, window) of each sequence longer than its window
     for i, item in enumerate(inputs):
         encoded = texts[i] if texts else None
         token_ids: np.ndarray | None
         if encoded is not None:
-            token_ids, embeddings, window = encoded.ids, None, text_window
+            token_ids, embeddings = encoded.ids, None
         else:
             token_ids, embeddings = _array(i, item, spec, long.mode, names)
-            window = spec.max_length
         job = Job(token_ids=token_ids, embeddings=embeddings, causal=ask.causal, attn_layers=layers,
                   heads_mean=ask.heads == "mean", pooling=pooling, return_hidden=ask.return_hidden,
                   normalize=normalize)
-        if job.length > window:
-            windows.append((i, window))
+        if lengths[i] > limits[i]:
+            windows.append((i, limits[i]))
         jobs.append(job)
     if windows:
-        jobs, chunks, cut = _fit(jobs, windows, long, config, names, lambda i: names.of(i, _kind(inputs[i])))
+        jobs, chunks, cut = _fit(jobs, windows, long, names, lambda i: names.of(i, _kind(inputs[i])))
         fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut)
     else:
         fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens)
-        if fitted.tokens > config.max_tokens_per_call:
-            raise InvalidInput(names.sequences, f"{fitted.tokens} tokens in all; at most "
-                               f"{config.max_tokens_per_call} per call")
     _check_sizes(fitted, spec, config, names, response_size)
     return fitted
 
@@ -222,26 +222,37 @@ def _kind(item: np.ndarray | str) -> str:
     return "text" if isinstance(item, str) else "ids" if item.ndim == 1 else "embeddings"
 
 
-def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, config: ServiceConfig, names: Names,
+def _check_tokens(lengths: list[int], limits: list[int], long: LongInputs, config: ServiceConfig, names: Names,
+                  field: Callable[[int], str]) -> None:
+    """The call's tokens against max_tokens_per_call, from the lengths alone, before any input is converted
+    or any window planned: a sequence over its window is refused (ERROR), cut (TRUNCATE) or counted as
+    its windows (CHUNK: `window_starts`' count times the window)."""
+    total = 0
+    for i, (n, window) in enumerate(zip(lengths, limits, strict=True)):
+        if n <= window:
+            total += n
+        elif long.mode == ERROR:
+            raise InvalidInput(field(i), f"length must be 1..{window}; got {n}" + _HINT)
+        elif long.mode == TRUNCATE:
+            total += window
+        else:
+            total += (math.ceil((n - window) / long.step(window)) + 1) * window
+    if total > config.max_tokens_per_call:
+        windowed = long.mode == CHUNK and any(n > w for n, w in zip(lengths, limits, strict=True))
+        raise InvalidInput(names.sequences, f"{total} tokens in all{_WINDOWED * windowed}; at most "
+                           f"{config.max_tokens_per_call} per call")
+
+
+def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, names: Names,
          field: Callable[[int], str]) -> tuple[list[Job], tuple[Chunked | None, ...], tuple[bool, ...]]:
     """The call's jobs once some sequences are longer than the model, each cut or planned in windows as
-    the call asks (ERROR was refused while decoding), with Plan's `chunks` and `truncated`. The windows
-    are counted before any is planned."""
-    total = sum(job.length for job in jobs)
+    the call asks (ERROR was refused before), with Plan's `chunks` and `truncated`."""
     if long.mode == CHUNK:
         for i, window in windows:
-            job = jobs[i]
-            if job.attn_layers:
+            if jobs[i].attn_layers:
                 raise InvalidInput(names.return_attention, "attention weights are not available for a chunked "
-                                   f"sequence: {field(i)} has {job.length} tokens, over {window}, so it is encoded "
-                                   "in windows; ask without attention, or send it within the limit")
-            count = math.ceil((job.length - window) / long.step(window)) + 1  # window_starts' length
-            total += count * window - job.length
-    else:
-        total -= sum(jobs[i].length - window for i, window in windows)
-    if total > config.max_tokens_per_call:
-        raise InvalidInput(names.sequences, f"{total} tokens in all{_WINDOWED * (long.mode == CHUNK)}; at most "
-                           f"{config.max_tokens_per_call} per call")
+                                   f"sequence: {field(i)} has {jobs[i].length} tokens, over {window}, so it is "
+                                   "encoded in windows; ask without attention, or send it within the limit")
     long_at = dict(windows)
     out: list[Job] = []
     chunks: list[Chunked | None] = []

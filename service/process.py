@@ -10,10 +10,8 @@ UNAVAILABLE just before the grace ends); then the model threads stop and the por
 the drain's order or timing is made in `Lifecycle.drain` and nowhere else; a mode supplies only its
 `Front` (what "refuse" and "stop accepting" mean for it).
 
-Signals: the first SIGTERM/SIGINT drains; a second one stops at once (`stop(0)`). A signal sent to the
-whole process group (a supervisor stopping `make run`, a terminal's Ctrl-C) reaches the service once
-through the group and possibly again through a parent that forwards it: the same signal repeated
-within `SIGNAL_ECHO_S` counts as one.
+Signals: the first SIGTERM/SIGINT drains; a second one stops at once (`stop(0)`), except a SIGTERM
+that `make` (the parent of `make run`) forwards within REPEATED_SIGTERM_S of the group's own.
 """
 
 from __future__ import annotations
@@ -43,8 +41,6 @@ if TYPE_CHECKING:
     from service.engine import Engine
 
 log = logging.getLogger(__name__)
-
-SIGNAL_ECHO_S = 0.5  # the same signal again within this: one signal reaching us twice (group + parent)
 
 
 class Front(Protocol):
@@ -181,37 +177,58 @@ def write_ready_file(path: str, data: dict[str, Any]) -> None:
 
 
 def signal_queue() -> asyncio.Queue[int]:
-    """SIGTERM and SIGINT as they arrive (the first drains, a second stops at once); one signal that
-    reaches the process twice within SIGNAL_ECHO_S (its group's and a forwarding parent's) is queued once."""
+    """SIGTERM and SIGINT as they arrive (the first drains, a second stops at once)."""
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[int] = asyncio.Queue()
-    last: dict[int, float] = {}
-
-    def arrived(sig: int) -> None:
-        now = time.monotonic()
-        if now - last.get(sig, -SIGNAL_ECHO_S - 1) >= SIGNAL_ECHO_S:
-            signals.put_nowait(sig)
-        last[sig] = now
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, arrived, sig)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
     return signals
 
 
+# GNU make forwards a SIGTERM it receives to its children (commands.c, fatal_error_signal), so a
+# supervisor that signals the process group of `make run` reaches the service twice: directly and
+# through make. Under such a parent, a SIGTERM this soon after the first is that echo, not a second
+# signal. Under any other parent a second SIGTERM stops at once, as does a second Ctrl-C (SIGINT).
+REPEATED_SIGTERM_S = 0.5
+FORWARDING_PARENTS = frozenset({"make", "gmake"})
+
+
+def parent_forwards_sigterm() -> bool:
+    """Whether this process's parent is one that forwards SIGTERM to its children (Linux /proc)."""
+    try:
+        with open(f"/proc/{os.getppid()}/comm", encoding="utf-8") as f:
+            return f.read().strip() in FORWARDING_PARENTS
+    except OSError:
+        return False
+
+
 async def drain_on_signal(waiter: asyncio.Task[int], signals: asyncio.Queue[int], config: ServiceConfig,
-                          stop: Callable[[float | None], Coroutine[Any, Any, None]]) -> None:
-    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`."""
+                          stop: Callable[[float | None], Coroutine[Any, Any, None]],
+                          echoes: bool | None = None) -> None:
+    """Once `waiter` has a signal: `stop()` drains within the grace; a second signal cuts it to `stop(0)`.
+    With `echoes` (default: the parent forwards SIGTERM), a SIGTERM within REPEATED_SIGTERM_S of a
+    first SIGTERM is not a second signal."""
     signum = await waiter
+    first_at = time.monotonic()
+    if echoes is None:
+        echoes = parent_forwards_sigterm()
     log.info("signal %d: draining for up to %.1f s", signum, config.drain_grace_s)
     stopping = asyncio.create_task(stop(None))
-    second = asyncio.create_task(signals.get())
-    await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
-    if not stopping.done():
+    while True:
+        second = asyncio.create_task(signals.get())
+        await asyncio.wait({stopping, second}, return_when=asyncio.FIRST_COMPLETED)
+        if stopping.done() or not second.done():
+            break
+        if echoes and signum == second.result() == signal.SIGTERM and time.monotonic() - first_at < REPEATED_SIGTERM_S:
+            log.info("SIGTERM again within %.1f s: the process group's, forwarded by the parent; still draining",
+                     REPEATED_SIGTERM_S)
+            continue
         log.info("second signal: stopping now")
         stopping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await stopping
         await stop(0)
+        break
     second.cancel()
 
 

@@ -137,7 +137,7 @@ class AttentionServicer:
         """Encode's own tokenization (service/validation.py `tokenize`: limits, prompt, truncation, errors)."""
         spec, _ = self._calls.serving.require_ready()
         n = len(request.texts)
-        check_count(n, self._config, "texts")
+        check_count(n, self._config, "texts", "texts")
         encoded = tokenize(request.texts, spec, self._config, fields=[f"texts[{i}]" for i in range(n)],
                            truncate=request.truncate, prompt_name=request.prompt_name, all_field="texts",
                            prompt_field="prompt_name")

@@ -209,7 +209,16 @@ class Calls:
         return response
 
     def failure(self, exc: BaseException, method: str) -> ServiceError:
-        """The error a caller sees for `exc`, counted once in attention_failures_total."""
+        """The error a caller sees for `exc`, counted once in attention_failures_total. `exc` loses its
+        traceback: the caller keeps the error past its except block, and the traceback's frames (holding
+        the request, up to a message's worth of bytes) would otherwise live on in a reference cycle
+        until the garbage collector next runs."""
+        try:
+            return self._failure(exc, method)
+        finally:
+            exc.__traceback__ = None
+
+    def _failure(self, exc: BaseException, method: str) -> ServiceError:
         if isinstance(exc, ServiceError):
             self._metrics.failures.labels(reason_of(exc)).inc()
             return exc

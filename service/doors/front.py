@@ -24,6 +24,7 @@ from service.doors.calls import Calls, Serving
 from service.doors.grpc_metrics import MetricsInterceptor
 from service.doors.kserve_v2 import SERVICE_NAME as KSERVE_NAME
 from service.doors.kserve_v2 import KServeServicer
+from service.doors.message_wait import MessageWaitInterceptor
 from service.doors.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.metrics import Metrics
 
@@ -44,10 +45,17 @@ def grpc_options(config: ServiceConfig, *, reuse_port: bool = False) -> list[tup
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         # Connection limits. Without a stream limit one connection can open streams without bound (a
-        # burst of 20,000 header-only streams made other connections' calls fail CANCELLED); without
-        # an age limit a call whose message never completes and that has no deadline is never
-        # answered (grpcio reads the message before any handler runs, so only the connection can end it).
+        # burst of 20,000 header-only streams made other connections' calls fail CANCELLED). A unary
+        # call whose message never completes is bounded by message_wait.py; a stream that waits for
+        # its next message is bounded by the connection's age.
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        # grpc core's default, said out loud: a stream counts against the limit until the server has
+        # released it, not only while it is open on the wire. That bounds what a peer that resets its
+        # streams at once can pile up (HTTP/2 "rapid reset"), and it is also why a client that keeps
+        # more calls than the limit open gets REFUSED_STREAM: grpcio counts wire streams and opens the
+        # next one before the server has released the last (600 calls on one connection at a limit of
+        # 256: 57% UNAVAILABLE; at 1024: none; docs/limits.md).
+        ("grpc.http.overload_protection", 1),
         ("grpc.max_connection_idle_ms", ms(config.max_connection_idle_s)),
         ("grpc.max_connection_age_ms", ms(config.max_connection_age_s)),
         ("grpc.max_connection_age_grace_ms", ms(config.max_connection_age_grace_s)),
@@ -80,7 +88,9 @@ def build_front(config: ServiceConfig, edge: Calls, metrics: Metrics, health_ser
     # The KServe v2 front door: the same edge (admission, batcher, outcome), error table and metrics.
     kserve = KServeServicer(edge, metrics, workers)
     doors = [SERVICE_NAME, KSERVE_NAME]
-    interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics, doors)]
+    # Outer to inner: auth (below), metrics, the bounded wait for a unary call's message.
+    interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics, doors),
+                                                       MessageWaitInterceptor(config.default_timeout_s)]
     tokens = load_tokens(config)
     if tokens:
         # Outermost: nothing else runs for an unauthenticated call.

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from service.doors.calls import cancel_code
+from service.doors.message_wait import request_streaming
 from service.metrics import Metrics
 
 
@@ -56,15 +57,16 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
 
     def _wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         service, _, method = path.lstrip("/").rpartition("/")
+        streaming_in = request_streaming(handler)  # a unary method stays unary behind message_wait.py
         kind = {(False, False): "unary", (True, False): "client_stream", (False, True): "server_stream",
-                (True, True): "bidi_stream"}[(handler.request_streaming, handler.response_streaming)]
+                (True, True): "bidi_stream"}[(streaming_in, handler.response_streaming)]
         labels = (kind, service, method)
         m = self._metrics
         started_total = m.grpc_started.labels(*labels)
         handling = m.grpc_handling.labels(*labels)
         handled: dict[str, Any] = {}  # code -> its grpc_server_handled_total child
 
-        per_call = not handler.response_streaming and not handler.request_streaming and service in self._services
+        per_call = not handler.response_streaming and not streaming_in and service in self._services
 
         def finish(code: str, started: float) -> None:
             seconds = time.perf_counter() - started

@@ -480,7 +480,7 @@ def _inputs(request: Any, spec: ModelSpec, config: ServiceConfig) -> tuple[dict[
         if any(key.startswith("shared_memory") for key in tensor.parameters):
             raise InvalidInput(name, "shared-memory inputs are not supported; send the data in the request")
         if name == TEXT:
-            texts = _decode_text(tensor, raw[i] if raw else None, spec, config)
+            texts = _decode_text(tensor, raw, i, spec, config)
             continue
         arrays[name] = _decode(tensor, raw[i] if raw else None, config)
     if texts is not None and arrays:
@@ -497,10 +497,11 @@ def input_names(spec: ModelSpec) -> str:
     return ", ".join((IDS, MASK, TYPES, TEXT) if spec.tokenizer is not None else (IDS, MASK, TYPES))
 
 
-def _decode_text(tensor: Any, raw: bytes | None, spec: ModelSpec, config: ServiceConfig) -> list[str]:
-    """A BYTES tensor of [batch] (or [batch, 1]) UTF-8 strings: raw (each a 4-byte little-endian length,
-    then the bytes, as tritonclient serializes them) or typed (bytes_contents). The batch, the model's
-    taking text and the bytes against the call's character limit are checked before anything is decoded."""
+def _decode_text(tensor: Any, contents: Any, index: int, spec: ModelSpec, config: ServiceConfig) -> list[str]:
+    """A BYTES tensor of [batch] (or [batch, 1]) UTF-8 strings: raw (`contents[index]`, each a 4-byte
+    little-endian length, then the bytes, as tritonclient serializes them) or typed (bytes_contents). The
+    batch, the model's taking text and the bytes against the call's character limit are checked before
+    anything is decoded."""
     shape = [int(d) for d in tensor.shape]
     if tensor.datatype != "BYTES":
         raise InvalidInput(TEXT, f"datatype must be BYTES; got {shown(tensor.datatype)}")
@@ -509,6 +510,8 @@ def _decode_text(tensor: Any, raw: bytes | None, spec: ModelSpec, config: Servic
     count = shape[0]
     check_count(count, config, TEXT)
     takes_text(spec, f"{TEXT}[0]")
+    # Only now the raw bytes (`raw_input_contents[i]` copies them out of the message).
+    raw: bytes | None = contents[index] if contents else None
     if raw is not None:
         if tensor.HasField("contents"):
             raise InvalidInput(TEXT, "data given both in raw_input_contents and in contents")

@@ -58,7 +58,8 @@ async def run(directory: Path) -> int:
     if kind != frames.HELLO:
         log.error("the model process sent frame kind %d before HELLO", kind)
         return 1
-    spec, workers = frames.read_hello(body)
+    spec, workers, tokens = frames.read_hello(body)
+    config = dataclasses.replace(config, auth_tokens=tokens)  # never in the config file (issue 27, item 9)
     calls = Calls(config, serving, metrics)
     try:
         front = build_front(config, calls, metrics, lifecycle.health, workers, reuse_port=True)

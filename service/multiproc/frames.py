@@ -190,9 +190,12 @@ def read_drain(body: memoryview) -> float:
 
 # -- the model's description ------------------------------------------------------------------------
 
-def hello(spec: ModelSpec, workers: int) -> bytes:
+def hello(spec: ModelSpec, workers: int, auth_tokens: str = "") -> bytes:
+    """`auth_tokens` (ServiceConfig.auth_tokens) travel here, over the private socket, and are never
+    written to a file."""
     data: dict[str, Any] = {"spec": {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-                                     if f.name != "tokenizer"}, "workers": workers, "text": None}
+                                     if f.name != "tokenizer"}, "workers": workers, "text": None,
+                            "auth_tokens": auth_tokens}
     tokenizer = b""
     if spec.tokenizer is not None:
         data["text"] = dataclasses.asdict(spec.tokenizer.settings)
@@ -201,14 +204,15 @@ def hello(spec: ModelSpec, workers: int) -> bytes:
     return frame(HELLO, 0, struct.pack("<I", len(encoded)), encoded, tokenizer)
 
 
-def read_hello(body: memoryview) -> tuple[ModelSpec, int]:
+def read_hello(body: memoryview) -> tuple[ModelSpec, int, str]:
+    """The spec, the model workers and the bearer tokens (comma-separated) of a HELLO."""
     (length,) = struct.unpack_from("<I", body, 0)
     data = json.loads(bytes(body[4:4 + length]))
     tokenizer = None
     if data["text"] is not None:
         tokenizer = TextTokenizer(bytes(body[4 + length:]), TextSettings(**data["text"]),
                                   source="the model process's tokenizer")
-    return ModelSpec(**data["spec"], tokenizer=tokenizer), int(data["workers"])
+    return ModelSpec(**data["spec"], tokenizer=tokenizer), int(data["workers"]), str(data["auth_tokens"])
 
 
 def message(kind: int, data: dict[str, Any]) -> bytes:

@@ -2,7 +2,9 @@
 
 It owns the device, the runner, the model threads and the one batcher (service/engine.py
 `Engine`), and serves them to its edge processes (service/multiproc/edge_worker.py) over a Unix
-socket in a private directory (mode 0700, removed at exit). It also serves /metrics (every
+socket in a private directory (mode 0700, removed at exit; one a killed model process left behind
+is removed by the next start, sweep_leftovers). It holds no secret: the bearer tokens reach the
+edges in their HELLO frame. It also serves /metrics (every
 process's, summed by prometheus_client's MultiProcessCollector) and the plaintext health port.
 
 The port. With `--port 0` it picks one; either way it holds the port with a bound, never-listening
@@ -10,7 +12,8 @@ SO_REUSEPORT socket before any edge starts, and hands the number to the edges, w
 with SO_REUSEPORT (the kernel spreads connections over them). A service in one process (SO_REUSEPORT
 off) cannot bind that port, nor can this one bind a port such a service holds. Another service with
 edge processes, run by the same user, could join the group: an exclusive lock on
-`$TMPDIR/attention-service-<uid>-port-<port>.lock` refuses that one ("port held by another service").
+`$TMPDIR/attention-service-<uid>-port-<port>.lock` refuses that one ("port held by another service");
+the file is removed at exit, and one that no process holds by the next start.
 
 Start-up: load and warm the model, start the edges, and report SERVING (readiness, ready file) once
 every edge is serving. Shutdown (SIGTERM): the same drain as one process's, in every process at
@@ -35,8 +38,10 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -71,7 +76,7 @@ def enable_multiprocess_metrics(directory: Path) -> None:
     values.ValueClass = values.get_value_class()  # type: ignore[no-untyped-call]
 
 
-def reserve_port(host: str, port: int) -> tuple[socket.socket, int, IO[str]]:
+def reserve_port(host: str, port: int) -> tuple[socket.socket, int, PortLock]:
     """Hold host:port for this service's edges (see the module docstring); returns the holder, the
     port (picked when 0) and the held lock. OSError when the port is taken."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -84,15 +89,112 @@ def reserve_port(host: str, port: int) -> tuple[socket.socket, int, IO[str]]:
         holder.close()
         raise OSError(port_error("gRPC", host, port, exc, "ATTN_PORT / --port")) from None
     port = holder.getsockname()[1]
-    lock = open(Path(tempfile.gettempdir()) / f"attention-service-{os.getuid()}-port-{port}.lock", "a")  # noqa: SIM115
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    lock = PortLock(Path(tempfile.gettempdir()) / f"{PREFIX}{os.getuid()}-port-{port}.lock")
+    if not lock.acquire():
         holder.close()
-        lock.close()
         raise OSError(port_error("gRPC", host, port, "held by another service's edge processes",
                                  "ATTN_PORT / --port")) from None
     return holder, port, lock
+
+
+class PortLock:
+    """An exclusive flock on a file that is removed on release. Whoever removes the file holds the
+    lock while doing so, and a lock is taken only on the file the path still names, so two holders
+    are never possible (one could otherwise lock a file just removed while another locks its
+    successor)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock, or False when another process holds it."""
+        for _ in range(10):  # each retry means another process removed the file meanwhile
+            f = open(self.path, "a")  # noqa: SIM115  (held until release)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                return False
+            try:
+                if os.stat(self.path).st_ino == os.fstat(f.fileno()).st_ino:
+                    self._file = f
+                    return True
+            except FileNotFoundError:
+                pass
+            f.close()
+        return False
+
+    def release(self) -> None:
+        if self._file is not None:
+            self.path.unlink(missing_ok=True)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> PortLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+PREFIX = "attention-service-"  # the private directories (+ "<owner pid>-") and port lock files (+ "<uid>-port-")
+
+
+def private_directory() -> Path:
+    """The model process's private directory (mode 0700), named after its pid so that a later start
+    can tell whether its owner is gone (sweep_leftovers)."""
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+
+
+def sweep_leftovers(tmp: Path | None = None) -> list[Path]:
+    """Remove what model processes of this user that were killed (kill -9, OOM) left in the temp
+    folder: private directories whose owner is gone, and port lock files that no process holds.
+    Returns what was removed. A directory of an earlier version (no pid in its name) is removed
+    when its socket refuses connections."""
+    tmp = tmp if tmp is not None else Path(tempfile.gettempdir())
+    removed: list[Path] = []
+    uid = os.getuid()
+    for path in sorted(tmp.glob(f"{PREFIX}*")):
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            continue
+        if st.st_uid != uid:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            if _owner_gone(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        elif path.name.startswith(f"{PREFIX}{uid}-port-") and path.name.endswith(".lock"):
+            lock = PortLock(path)
+            if lock.acquire():
+                lock.release()
+                removed.append(path)
+    return removed
+
+
+def _owner_gone(directory: Path) -> bool:
+    owner = re.fullmatch(rf"{PREFIX}(\d+)-[^-]+", directory.name)
+    if owner is not None:
+        try:
+            os.kill(int(owner.group(1)), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive (another user's pid now: not ours to judge)
+            return False
+        return False
+    sock = directory / SOCKET
+    if not sock.exists():
+        return False  # an earlier version's model process still loading, or not ours
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(sock))
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
 
 
 @dataclass(eq=False)
@@ -148,8 +250,10 @@ class ModelHost:
     async def _load_and_start_edges(self) -> None:
         config = self.config
         self.batcher, self.spec = await self.engine.load()
-        edge_config = {**_fields(config), "port": self.port, "http_port": self.http_port, "ready_file": ""}
-        # 0600 in a 0700 directory: it holds the bearer tokens, if any.
+        # No secret in the file: the bearer tokens go to each edge in its HELLO (_connection), so a
+        # directory left behind by a killed process holds none. 0600 in a 0700 directory all the same.
+        edge_config = {**_fields(config), "port": self.port, "http_port": self.http_port, "ready_file": "",
+                       "auth_tokens": ""}
         with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             json.dump(edge_config, f)
         self._unix = await asyncio.start_unix_server(self._connection, str(self.directory / SOCKET))
@@ -194,7 +298,7 @@ class ModelHost:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.batcher is not None and self.spec is not None
         batcher = self.batcher
-        writer.write(frames.hello(self.spec, self.workers))
+        writer.write(frames.hello(self.spec, self.workers, self.config.auth_tokens))
         calls: dict[int, list[Item[Job]]] = {}
         slot: EdgeSlot | None = None
         try:
@@ -295,7 +399,9 @@ def _fields(config: ServiceConfig) -> dict[str, Any]:
 
 async def serve_with_edges(config: ServiceConfig) -> int:
     """Run the model process until SIGTERM/SIGINT; returns the exit code."""
-    directory = Path(tempfile.mkdtemp(prefix="attention-service-"))
+    for path in sweep_leftovers():
+        log.info("removed %s, left by a model process that is gone", path)
+    directory = private_directory()
     try:
         (directory / "metrics").mkdir()
         enable_multiprocess_metrics(directory / "metrics")

@@ -149,15 +149,16 @@ def test_the_range_check_refuses_exactly_the_values_the_wire_cast_turns_into_inf
             with np.errstate(over="ignore"), warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # the cast's own overflow warning
                 sent = from_tensor(to_tensor(array, dtype))
+            name = "float16" if dtype == pb.DTYPE_FLOAT16 else "bfloat16"  # the plan's name for the wire's dtype
             for output in (Output(array, None, None, False), Output(None, array, None, False)):
                 if np.isfinite(sent).all():
-                    check_representable([output], dtype, pb.DTYPE_FLOAT32)
+                    check_representable([output], name, "float32")
                 else:
                     with pytest.raises(OutputOverflow):
-                        check_representable([output], dtype, pb.DTYPE_FLOAT32)
+                        check_representable([output], name, "float32")
             attention = Output(None, None, array.reshape(1, 1, 1, 2), False)
             if np.isfinite(sent).all():
-                check_representable([attention], pb.DTYPE_FLOAT32, dtype)
+                check_representable([attention], "float32", name)
             else:
                 with pytest.raises(OutputOverflow, match="attention.dtype"):
-                    check_representable([attention], pb.DTYPE_FLOAT32, dtype)
+                    check_representable([attention], "float32", name)

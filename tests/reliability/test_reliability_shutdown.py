@@ -8,9 +8,15 @@ server's exit ledger balances against what the callers saw. Nothing is left with
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -23,7 +29,7 @@ from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import from_tensor
 from tests.support.helpers import health, ids_request, wait_for
 from tests.support.reliability_helpers import assert_clean_status
-from tests.support.server_process import ServerProcess
+from tests.support.server_process import ROOT, ServerProcess
 
 Code = grpc.StatusCode
 # One process, and the same service as a model process behind two edge processes (service/multiproc/).
@@ -170,3 +176,43 @@ async def test_a_second_signal_stops_at_once(fault_bundle: Path, tmp_path: Path,
     assert code == 0 and exited_in < 2.0, (code, exited_in, server.output()[-3000:])
     assert status == Code.UNAVAILABLE
     assert "second signal" in server.output() and "Traceback" not in server.output()
+
+
+async def test_make_run_stopped_by_a_signal_to_its_process_group_drains(fault_bundle: Path, tmp_path: Path):
+    """Issue 27: a supervisor stops `make run` with SIGTERM to its process group; make forwards SIGTERM
+    to the service as well, which took the two for "a second signal" and stopped at once."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make on this machine")
+    ready = tmp_path / "ready.json"
+    env = {**os.environ, "ATTN_HOST": "127.0.0.1", "ATTN_PORT": "0", "ATTN_METRICS_PORT": "0",
+           "ATTN_MODEL": str(fault_bundle), "ATTN_READY_FILE": str(ready), "ATTN_DRAIN_GRACE_S": "30"}
+    # The repository's own `run` recipe; BIN and STAMP overridden: this interpreter, no venv build.
+    with open(tmp_path / "make.log", "wb") as log:
+        group = subprocess.Popen([make, "--no-print-directory", "-C", str(ROOT), "run",
+                                  f"BIN={Path(sys.executable).parent}", "STAMP="],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        await wait_for(lambda: ready.exists() or group.poll() is not None, 120, "the service to be ready")
+        ports = json.loads(ready.read_text())
+
+        def batches() -> float:
+            url = f"http://127.0.0.1:{ports['metrics_port']}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                lines = response.read().decode().splitlines()
+            return sum(float(line.split()[-1]) for line in lines if line.startswith("attention_batch_size_count"))
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['port']}") as channel:
+            before = batches()
+            held = attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([faults.SLEEP] * 10), timeout=60)
+            await wait_for(lambda: batches() > before, 30, "the held call's forward")  # 2 s of model time
+            os.killpg(group.pid, signal.SIGTERM)  # the supervisor: the whole group
+            [(status, _)] = await outcomes_of([held], 45)
+        group.wait(timeout=45)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group.pid, signal.SIGKILL)
+        group.wait(timeout=10)
+    output = (tmp_path / "make.log").read_text()
+    assert status == Code.OK, output[-3000:]  # drained: the accepted call was answered
+    assert "second signal" not in output and "stopped; ledger" in output, output[-3000:]

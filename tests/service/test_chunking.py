@@ -319,7 +319,7 @@ async def test_client_and_cli_take_long_inputs(served: Running, tiny_bundle: Pat
     out = capsys.readouterr().out
     assert "sequence 0: 100 tokens (chunked: 4 windows)" in out and "hidden    [100, 32]" in out
     assert await asyncio.to_thread(cli.main, [*target, "encode", "--ids", *map(str, ids)]) == 1
-    assert "long_inputs" in capsys.readouterr().err
+    assert "--long-inputs" in capsys.readouterr().err  # the server's long_inputs, in the CLI's words
 
 
 # -- text ------------------------------------------------------------------------------------------

@@ -43,3 +43,15 @@ async def test_watch_of_an_unknown_service_says_service_unknown(start_server):
     with pytest.raises(asyncio.CancelledError):
         await call.read()
     assert await call.code() == grpc.StatusCode.CANCELLED
+
+
+async def test_a_check_whose_message_does_not_parse_is_invalid_argument(start_server):
+    """grpcio answers a unary message it cannot decode with UNKNOWN; service/doors/message_wait.py
+    decodes it itself (issue 27's "never UNKNOWN")."""
+    s = await start_server()
+    check = s.channel.unary_unary("/grpc.health.v1.Health/Check")  # bytes in, bytes out
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await check(b"\xff\xff\xff", timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    assert health_pb2.HealthCheckResponse.FromString(await check(b"", timeout=10)).status == \
+        health_pb2.HealthCheckResponse.SERVING

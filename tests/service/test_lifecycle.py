@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 from model import faults
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import from_tensor
-from tests.support.helpers import health, ids_request, wait_for
+from tests.support.helpers import health, ids_request, test_config, wait_for
 from tests.support.server_process import ServerProcess
 
 
@@ -83,3 +83,35 @@ def test_the_configuration_chapter_documents_every_setting():
     chapter = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for f in fields(ServiceConfig):
         assert f"`ATTN_{f.name.upper()}`" in chapter, f"docs/configuration.md lacks ATTN_{f.name.upper()}"
+
+
+@pytest.mark.parametrize("second, echoes, stops", [(signal.SIGTERM, True, [None]), (signal.SIGINT, True, [None, 0]),
+                                                   (signal.SIGTERM, False, [None, 0])],
+                         ids=["under-make-SIGTERM-again-is-the-echo", "SIGINT-stops-at-once",
+                              "elsewhere-SIGTERM-again-stops-at-once"])
+async def test_a_sigterm_delivered_twice_at_once_is_one_request(tiny_bundle: Path, second: int, echoes: bool,
+                                                                stops: list[float | None]):
+    """Issue 27: a supervisor's SIGTERM to `make run`'s process group reaches the service twice (the
+    group's, and make's forward). The drain goes on; a second, different signal still stops at once,
+    and so does a second SIGTERM under a parent that forwards nothing."""
+    from service.process import drain_on_signal
+
+    asked: list[float | None] = []
+    release = asyncio.Event()
+
+    async def stop(grace: float | None) -> None:
+        asked.append(grace)
+        if grace is None:
+            await release.wait()  # a drain that is still under way when the second signal is read
+
+    signals: asyncio.Queue[int] = asyncio.Queue()
+    signals.put_nowait(signal.SIGTERM)
+    signals.put_nowait(second)  # both already delivered when the drain starts
+    draining = asyncio.create_task(drain_on_signal(asyncio.create_task(signals.get()), signals,
+                                                   test_config(tiny_bundle), stop, echoes))
+    await wait_for(lambda: signals.empty() and len(asked) >= len(stops), 10, "both signals read")
+    for _ in range(3):
+        await asyncio.sleep(0)  # a second stop, if one were coming, is asked now
+    release.set()
+    await asyncio.wait_for(draining, 10)
+    assert asked == stops

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -13,9 +14,10 @@ from prometheus_client import CollectorRegistry
 
 from model import faults
 from proto.attention.v1.codec import from_tensor
-from service.metrics import Metrics, metric_families
+from service.metrics import DROP_REASONS, FAILURE_REASONS, Metrics, metric_families
 from tests.support.helpers import Running, ids_request, wait_for
 from tests.support.prometheus_server import prometheus_server
+from tests.support.server_process import ServerProcess
 
 # The contract with dashboards and alerts (deploy/; tests/deploy/test_deploy.py reads it through
 # service.metrics.metric_families): a rename must be a conscious change here too.
@@ -152,3 +154,31 @@ async def test_real_prometheus_scrapes_latency_codes_and_nonfinite_counts(start_
         handled = await wait('grpc_server_handled_total{grpc_method="Encode",grpc_code="OK"}',
                              lambda r: r and r[0].value == 41)
         assert handled[0].labels["grpc_service"] == "attention.v1.AttentionService"
+
+
+@pytest.mark.parametrize("mode", [(), ("--edge-processes", "1")], ids=["one-process", "edge-processes"])
+def test_failure_and_drop_counters_exist_at_zero_on_a_fresh_server(tiny_bundle: Path, tmp_path: Path,
+                                                                     mode: tuple[str, ...]):
+    """Issue 27: attention_failures_total and attention_dropped_total had no series before their first
+    event, so a dashboard panel read "No data" on a healthy service."""
+    server = ServerProcess(tiny_bundle, *mode, directory=tmp_path)
+    try:
+        samples = server.scrape()
+    finally:
+        assert server.terminate() == 0
+    for name, reasons in (("attention_failures_total", FAILURE_REASONS), ("attention_dropped_total", DROP_REASONS)):
+        seen = {dict(labels)["reason"]: value for (sample, labels), value in samples.items() if sample == name}
+        assert seen == dict.fromkeys(reasons, 0.0), (name, seen)
+    assert {"queue_full", "deadline", "internal", "unauthenticated"} <= set(FAILURE_REASONS)
+
+
+def test_every_drop_reason_the_batcher_reports_is_initialised():
+    """DROP_REASONS is what service/batching/batcher.py passes to on_dropped, read from its source."""
+    import re
+
+    from service.batching import batcher
+
+    source = Path(batcher.__file__).read_text()
+    reported = set(re.findall(r'on_dropped\("(\w+)"', source)) | set(re.findall(r'dropped\["(\w+)" if', source))
+    reported |= set(re.findall(r'else "(\w+)"\] \+= 1', source))
+    assert reported == set(DROP_REASONS), reported

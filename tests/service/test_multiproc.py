@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,52 @@ async def test_bearer_tokens_from_the_environment_guard_every_edge(fault_bundle:
         server.stop()
     assert "tok-alpha" not in server.output()  # the secret reached the edges, never the log
     assert server.exit_ledger()["handled"] == {"OK": 4}  # refused before any handler: not started
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A temp folder with a short path, for the service's Unix socket (108 bytes at most)."""
+    with tempfile.TemporaryDirectory(prefix="sweep-") as name:
+        yield Path(name)
+
+
+async def test_no_file_holds_a_token_and_what_a_killed_model_process_leaves_is_swept(fault_bundle: Path,
+                                                                                     tmp_path: Path, short_tmp: Path):
+    # Issue 27, item 9: config.json held ATTN_AUTH_TOKENS in clear, and a kill -9 left it behind for good.
+    secret = "tok-never-on-disk"
+    tmp = short_tmp  # the service's temp folder, this test's alone
+    env = {"ATTN_AUTH_TOKENS": secret, "TMPDIR": str(tmp)}
+    first = ServerProcess(fault_bundle, "--edge-processes", "1", directory=tmp_path / "first", env=env)
+    edges: list[int] = first.ports["edge_pids"]  # type: ignore[assignment]
+    try:
+        files = [path for path in tmp.rglob("*") if path.is_file()]
+        assert any(path.name == "config.json" for path in files), files  # the edges' config is there...
+        for path in files:
+            assert secret.encode() not in path.read_bytes(), path  # ... but no token, in any file
+        async with grpc.aio.insecure_channel(first.target) as channel:  # yet the edge checks tokens
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Encode(ids_request([1, 2]), timeout=10)
+            assert refused.value.code() == Code.UNAUTHENTICATED
+            assert (await stub.Encode(ids_request([1, 2]), timeout=10,
+                                      metadata=(("authorization", f"Bearer {secret}"),))).outputs
+        first.proc.kill()
+        await wait_for(lambda: not any(alive(pid) for pid in edges), 20, "the edges to exit")
+    finally:
+        first.kill()
+        for pid in edges:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    left = {path.name for path in tmp.iterdir()}
+    lock = f"attention-service-{os.getuid()}-port-{first.ports['port']}.lock"
+    assert lock in left and len(left) == 2, left  # the private directory and the lock file
+    second = ServerProcess(fault_bundle, "--edge-processes", "1", directory=tmp_path / "second", env=env)
+    now = {path.name for path in tmp.iterdir()}
+    assert not (left - {lock}) & now, now  # the dead owner's directory is gone
+    assert lock not in now or second.ports["port"] == first.ports["port"], now
+    assert second.terminate() == 0, second.output()[-3000:]
+    assert not list(tmp.iterdir()), list(tmp.iterdir())  # a clean exit leaves nothing: lock file included
+    assert "left by a model process that is gone" in second.output()
 
 
 async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: ServerProcess):

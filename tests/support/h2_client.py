@@ -156,6 +156,8 @@ class RawH2:
                     status = dict(event.headers).get("grpc-status", status)  # type: ignore[arg-type]
                 if isinstance(event, h2.events.TrailersReceived) and event.stream_id == stream_id:
                     return end("trailers")
+                if isinstance(event, h2.events.StreamEnded) and event.stream_id == stream_id:
+                    return end("trailers")  # trailers-only: the status came with the headers
                 if isinstance(event, h2.events.StreamReset) and event.stream_id == stream_id:
                     return end("reset", int(event.error_code))
                 if isinstance(event, h2.events.ConnectionTerminated):
