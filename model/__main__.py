@@ -20,7 +20,18 @@ from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, 
 from model.config import EncoderConfig
 from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
-from model.hf import convert_hf
+from model.hf_folder import convert_hf_folder
+
+
+def _check_out(directory: Path) -> None:
+    """--out must be a new or an empty directory: checked before any work, so a refusal costs nothing."""
+    if directory.exists() and not directory.is_dir():
+        raise ConversionError(f"--out {directory} is a file; give a new or empty directory")
+    if directory.is_dir():
+        entries = sorted(p.name for p in directory.iterdir())
+        if entries:
+            raise ConversionError(f"--out {directory} is not empty (it holds {', '.join(entries[:5])}"
+                                  f"{', ...' if len(entries) > 5 else ''}); give a new or empty directory")
 
 
 def _default(args: argparse.Namespace) -> dict[str, object]:
@@ -34,6 +45,8 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
         raise ConversionError(f"cannot read the config {args.config}: {e}") from e
     except ValueError as e:
         raise ConversionError(f"{args.config}: {e}") from e
+    except RecursionError:
+        raise ConversionError(f"{args.config}: EncoderConfig JSON is malformed: nested too deeply") from None
     keymap = KeyMap.builtin(args.key_map) if args.key_map in builtin_names() else KeyMap.load(args.key_map)
     variables = dict(_parse_var(v) for v in args.var)
     # The stock flags are its vars under their historical names.
@@ -67,11 +80,7 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _convert_hf(args: argparse.Namespace) -> dict[str, object]:
-    encoder, tokenizer, settings, source = convert_hf(args.model_dir)
-    name = args.name or Path(args.model_dir).resolve().name
-    manifest = save_bundle(encoder, args.out, name=name, version=args.version, source=source,
-                           text=(tokenizer, settings))
-    return manifest.to_dict()
+    return convert_hf_folder(args.model_dir, args.out, name=args.name, version=args.version).to_dict()
 
 
 def _remove_bundle(directory: Path) -> None:
@@ -177,9 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    out = getattr(args, "out", None)
+    created = out is not None and not out.exists()
     try:
+        if out is not None:
+            _check_out(out)
         result = args.run(args)
-    except (BundleError, ConversionError, ValueError) as e:  # CheckError is a ValueError
+    except (BundleError, ConversionError, ValueError, OSError) as e:  # CheckError is a ValueError
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # a refusal leaves nothing behind, not even the directory it made
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(result, indent=2))

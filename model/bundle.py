@@ -21,8 +21,11 @@ import datetime
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,9 +58,12 @@ class BundleError(Exception):
 @dataclass(frozen=True)
 class Manifest:
     """manifest.json. `sha256` is of model.pt; `weights_sha256` is of the weights themselves (name, dtype,
-    shape, bytes of each parameter, in order), which is what a seed determines: model.pt also holds a
-    random serialization id and TorchScript class names. Both are verified on every load, and the config
-    is compared with the shapes and constants of the loaded module (module_config_facts)."""
+    shape, bytes of each parameter, in order), independent of the file format. model.pt is the same bytes
+    for the same weights, code and torch version when built in a fresh process (`script` fixes the one
+    order that varied between processes), so replicas that build the default bundle report one sha256.
+    A process that scripted other configs of our classes first writes other (mangled) TorchScript class
+    names, so the file differs there and weights_sha256 does not. Both are verified on every load, and
+    the config is compared with the shapes and constants of the loaded module (module_config_facts)."""
 
     name: str
     version: str
@@ -127,9 +133,41 @@ def _quiet_jit() -> Iterator[None]:
         yield
 
 
+class _InsertionOrderedSet(dict):  # type: ignore[type-arg]
+    """The `set` torch.jit._recursive builds while it scripts: add, `in` and iteration in insertion order."""
+
+    def __init__(self, items: Iterable[Any] = ()) -> None:
+        super().__init__((item, None) for item in items)
+
+    def add(self, item: Any) -> None:
+        self[item] = None
+
+
+_SCRIPTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _constants_in_declaration_order() -> Iterator[None]:
+    # torch.jit._recursive collects a module's constants (Final attributes, __constants__) in a set()
+    # of names and emits them in its iteration order, which for strings depends on the process's hash
+    # seed (PYTHONHASHSEED): the same module scripted in two processes gave two model.pt files (the
+    # code files listed the constants in another order, and serialization_id hashes their CRCs). A
+    # module-global `set` there shadows the builtin, so while we script, the names come out in the
+    # order they are declared. tests/test_model_bundle.py builds the default bundle under two hash seeds.
+    import torch.jit._recursive as recursive
+
+    with _SCRIPTING:
+        setattr(recursive, "set", _InsertionOrderedSet)  # noqa: B010 (mypy: a module attribute it does not know)
+        try:
+            yield
+        finally:
+            delattr(recursive, "set")
+
+
 def script(module: nn.Module) -> torch.jit.ScriptModule:
-    """torch.jit.script (not trace: the graph must take any batch size and length)."""
-    with _quiet_jit():
+    """torch.jit.script (not trace: the graph must take any batch size and length), with the constants in
+    declaration order so the saved file does not depend on the process's hash seed."""
+    with _quiet_jit(), _constants_in_declaration_order():
         return torch.jit.script(module)
 
 
@@ -306,6 +344,10 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
     dtypes = {p.dtype for p in module.parameters()}
     if dtypes != {torch.float32}:
         raise BundleError(f"bundles store float32 weights; the module has {sorted(map(str, dtypes))}")
+    non_finite = [name for name, p in module.named_parameters() if not bool(torch.isfinite(p).all())]
+    if non_finite:  # such a bundle would load and then fail its warm-up (or answer NaN)
+        raise BundleError(f"the module's parameters {non_finite[:5]}{' ...' if len(non_finite) > 5 else ''} hold "
+                          "non-finite values (inf or NaN); no bundle written")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     for existing in (MODEL_FILE, MANIFEST_FILE, TOKENIZER_FILE):
@@ -354,6 +396,24 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
     return manifest
 
 
+def build_atomically(final: Path, build: Callable[[Path], object]) -> bool:
+    """`build(tmp)` a bundle in a temporary sibling of `final`, then rename it into place: a reader never sees
+    half a bundle, and of two processes racing, one bundle stays (the other's is as good). True if ours did."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)  # atomic; replaces an empty directory, fails on a non-empty one
+        except OSError:
+            if not (final / MANIFEST_FILE).is_file():
+                raise BundleError(f"{final} exists but holds no bundle; remove it and retry") from None
+            return False  # another process finished first
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     """Read and check DIR/manifest.json; any problem is a BundleError naming the file."""
     path = Path(directory) / MANIFEST_FILE
@@ -361,8 +421,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BundleError(f"{path} not found: not a model bundle directory") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # UnicodeDecodeError, JSONDecodeError, an int of over 4300 digits
         raise BundleError(f"{path} is not readable JSON: {e}") from e
+    except RecursionError:
+        raise BundleError(f"{path} is not readable JSON: nested too deeply") from None
     try:
         return Manifest.from_dict(data)
     except (ValueError, TypeError) as e:

@@ -36,9 +36,10 @@ final_norm, say) are skipped. "requires" values are a value, a list of allowed v
 attention_scale "1/sqrt(d_head)" or "1/sqrt(d_model)".
 
 Public API: ConversionError; KeyMap (.load(path), .builtin(name), .from_dict(data), .with_vars(**v));
-builtin_names(); OPS; convert(state_dict, config, keymap, strict=False) -> Encoder; resolve(keymap,
-config) -> {ours: spec}; load_state_dict_file(path); and, for the stock map, convert_state_dict and
-key_mapping. Another converter (Hugging Face BERT, say) ships its map in model/keymaps/ and calls convert.
+builtin_names(); OPS; convert(state_dict, config, keymap, strict=False) -> Encoder; check_sizes(state_dict,
+config, keymap) (what convert checks first); resolve(keymap, config) -> {ours: spec};
+load_state_dict_file(path); and, for the stock map, convert_state_dict and key_mapping. Another converter
+(Hugging Face BERT, say) ships its map in model/keymaps/ and calls convert.
 Every problem (missing, unexpected, mis-shaped or mis-typed key, an op that does not apply, a config value
 the source cannot express, a parameter the map does not cover) is named in one ConversionError.
 
@@ -69,6 +70,11 @@ KEYMAP_DIR = Path(__file__).with_name("keymaps")
 OPS = ("copy", "reshape", "transpose", "concat", "block_diag", "fold", "add", "row0", "zeros", "ones")
 _MULTI = ("concat", "fold", "add")  # ops whose src is a list
 _NO_SRC = ("zeros", "ones")
+MAX_SPEC_DEPTH = 16  # nested specs (a fold of transposes, say) need a few levels; deeper is not a key map
+# max_length * d_model values: the largest (max_length, d_model) table derived from the config alone
+# (sinusoidal positions) when no tensor states max_length; 2^28 fp32 values are 1 GiB.
+DERIVED_TABLE_LIMIT = 2**28
+OVERSIZE = 2  # check_sizes: a config size over this many times the tensors' is refused before anything is built
 # Our parameters that exist only for some configs: named in "not covered" errors.
 _CONFIG_OF = {"pos_emb": "positional='learned'", "ln_f.": "final_norm=True", "rel_bias": "relative_bias",
               "ln_emb.": "embedding_norm=True"}
@@ -134,8 +140,10 @@ class KeyMap:
             data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
         except OSError as e:
             raise ConversionError(f"cannot read the key map {path}: {e}") from e
-        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-            raise ConversionError(f"key map {path} is malformed: {e}") from e
+        except (ValueError, tomllib.TOMLDecodeError) as e:  # JSONDecodeError; an int of over 4300 digits
+            raise ConversionError(f"key map {path} is malformed: {e}") from None
+        except RecursionError:
+            raise ConversionError(f"key map {path} is malformed: nested too deeply") from None
         return cls.from_dict(data, name=path.stem if path.parent == KEYMAP_DIR else str(path))
 
     @classmethod
@@ -159,10 +167,12 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in KEYMAP_DIR.glob("*.json"))
 
 
-def _check_spec(spec: Any, where: str, top: bool = False) -> list[str]:
+def _check_spec(spec: Any, where: str, top: bool = False, depth: int = 0) -> list[str]:
     """Problems with the form of one spec (not its keys or shapes), for a load-time error."""
     if isinstance(spec, str):
         return []
+    if depth >= MAX_SPEC_DEPTH:
+        return [f"{where[:60]}...: specs nested deeper than {MAX_SPEC_DEPTH} levels"]
     if not isinstance(spec, Mapping) or spec.get("op") not in OPS:
         op = spec.get("op") if isinstance(spec, Mapping) else spec
         return [f"{where}: op {op!r} is not one of {list(OPS)}"]
@@ -180,10 +190,10 @@ def _check_spec(spec: Any, where: str, top: bool = False) -> list[str]:
     if op in _MULTI:
         if not isinstance(src, list) or len(src) < 2:
             return [f"{where}: {op} needs a list of at least two sources in src"]
-        return [p for s in src for p in _check_spec(s, f"{where}.{op}")]
+        return [p for s in src for p in _check_spec(s, f"{where}.{op}", depth=depth + 1)]
     if not isinstance(src, str | Mapping):
         return [f"{where}: {op} needs one source in src"]
-    return _check_spec(src, f"{where}.{op}")
+    return _check_spec(src, f"{where}.{op}", depth=depth + 1)
 
 
 def _expand(text: str, variables: Mapping[str, str | None], i: int | None, where: str) -> str:
@@ -355,7 +365,10 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
             strict: bool = False) -> Encoder:
     """Build an fp32 Encoder(config) from `state_dict` through `keymap`; ConversionError lists every problem.
 
-    strict: also refuse unused source keys outside the map's `checked` prefixes (default: ignore them)."""
+    strict: also refuse unused source keys outside the map's `checked` prefixes (default: ignore them).
+    The config's sizes are checked against the tensors first (check_sizes), before anything is built from
+    it; weights that come out non-finite (a `times` that overflows fp32, say) are refused by name."""
+    check_sizes(state_dict, config, keymap)
     plan = resolve(keymap, config)
     encoder = Encoder(config)
     expected = encoder.state_dict()
@@ -399,6 +412,10 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
             source = spec["src"] if spec["op"] == "copy" else f"{ours} <- {_describe(spec)}"
             bad.append(f"{source}: expected shape {want}, got {tuple(value.shape)}")
             continue
+        if not bool(torch.isfinite(value).all()):
+            bad.append(f"{ours} <- {_describe(spec)}: {int((~torch.isfinite(value)).sum())} of {value.numel()} "
+                       "values are not finite (inf or NaN)")
+            continue
         ours_sd[ours] = value.contiguous()
     if missing or unexpected or bad:
         lines = [f"state_dict does not match EncoderConfig({config.to_json()}) through key map {keymap.name} "
@@ -414,6 +431,114 @@ def convert(state_dict: Mapping[str, object], config: EncoderConfig, keymap: Key
         raise ConversionError("\n".join(lines))
     encoder.load_state_dict(ours_sd, strict=True)
     return encoder.eval()
+
+
+def _fact_shape(keymap: KeyMap, ours: str, state_dict: Mapping[str, object], config: EncoderConfig,
+                want: tuple[int, ...]) -> tuple[tuple[int, ...] | None, str, int]:
+    """(shape, description, element count of the sources) of our parameter `ours` ("{i}" as layer 0)
+    evaluated from the source tensors alone; shape () where an op does not apply; (None, "", 0) where the
+    map cannot say it without building the encoder (no entry, a key that is missing or not a float
+    tensor, zeros/ones): those cases are reported by convert itself. `want` is only what a reshape
+    targets (a view: nothing is allocated from it)."""
+    spec = keymap.params.get(ours)
+    if spec is None:
+        return None, "", 0
+    try:
+        spec = _expand_spec(spec, keymap.vars, 0 if "{i}" in ours else None, ours)
+    except ConversionError:
+        return None, "", 0
+    keys = _sources(spec)
+
+    def generated(s: Any) -> bool:
+        src = s.get("src")
+        parts = src if isinstance(src, list) else [] if src is None else [src]
+        return s["op"] in _NO_SRC or any(isinstance(p, Mapping) and generated(p) for p in parts)
+
+    if not keys or generated(spec) or not all(
+            isinstance(state_dict.get(k), torch.Tensor) and state_dict[k].is_floating_point() for k in keys):
+        return None, "", 0
+    tensors = {k: state_dict[k].detach().to(torch.float32).cpu() for k in keys}  # type: ignore[union-attr]
+    described = f"{ours.replace('{i}', '0')} <- {_describe(spec)}"
+    numel = sum(t.numel() for t in tensors.values())
+    try:
+        return tuple(_apply(spec, tensors, config, want).shape), described, numel
+    except _NotApplicable as e:
+        return (), f"{described} ({e})", numel
+
+
+def _source_layers(keymap: KeyMap, state_dict: Mapping[str, object]) -> tuple[int, str] | None:
+    """(how many layers the state_dict holds through the map, the first key missing past them), counted by
+    each layer's feed-forward output weight (every layer of every config has one); None if the map lacks it."""
+    spec = keymap.params.get("blocks.{i}.ff.fc2.weight")
+    if spec is None:
+        return None
+
+    def keys(i: int) -> list[str]:
+        return _sources(_expand_spec(spec, keymap.vars, i, "blocks.{i}.ff.fc2.weight"))
+
+    try:
+        if not keys(0) or keys(0) == keys(1):
+            return None  # no source, or one shared by every layer: the keys cannot count the layers
+        for i in range(len(state_dict) + 1):  # each layer has keys of its own: the loop ends at a missing one
+            absent = [k for k in keys(i) if k not in state_dict]
+            if absent:
+                return i, absent[0]
+    except ConversionError:
+        return None  # an unset var: resolve names it
+    raise AssertionError("more layers than keys. This is a bug.")
+
+
+def check_sizes(state_dict: Mapping[str, object], config: EncoderConfig, keymap: KeyMap) -> None:
+    """Refuse, before anything is built from `config`, a config that asks for more than the tensors hold:
+    n_layers (counted from the keys), vocab_size and d_model (the token embedding), d_ff (layer 0's
+    feed-forward output) or max_length (the learned position table's rows) over OVERSIZE times what the
+    tensors state, or, with no position table, a (max_length, d_model) table over DERIVED_TABLE_LIMIT
+    values. A config.json that said hidden_size 10^7 once had the encoder allocated at 52 TB, and 10^6
+    layers built for minutes, before a tensor was looked at. A smaller difference builds an encoder of
+    about the weights' size, and convert then lists it with every other problem, shape by shape. These
+    are the facts model/bundle.py's module_config_facts reads off a module."""
+    problems, oversize = [], False
+
+    def over(asked: int, stated: int) -> bool:
+        return asked > OVERSIZE * stated
+
+    counted = _source_layers(keymap, state_dict)
+    if counted is not None:
+        layers, absent = counted
+        if layers != config.n_layers:
+            problems.append(f"n_layers={config.n_layers}, but the state_dict holds {layers} layers through key "
+                            f"map {keymap.name}" + (f" (no {absent!r})" if absent else ""))
+            # No layer at all: most likely a wrong prefix, which convert explains (if the count is affordable).
+            oversize |= over(config.n_layers, layers) if layers else config.n_layers > len(state_dict)
+    facts = [("tok_emb.weight", ("vocab_size", "d_model"), "the token embedding"),
+             ("blocks.{i}.ff.fc2.weight", ("d_model", "d_ff"), "the feed-forward output")]
+    if config.positional == "learned":
+        facts.append(("pos_emb", ("max_length", "d_model"), "the position table"))
+    table = False
+    for ours, fields, what in facts:
+        asked = tuple(getattr(config, f) for f in fields)
+        shape, described, numel = _fact_shape(keymap, ours, state_dict, config, asked)
+        if shape is None:
+            continue
+        table |= ours == "pos_emb"
+        # The position table may hold rows past max_length (an offset's, RoBERTa's); convert checks them.
+        fits = len(shape) == 2 and (shape == asked or ours == "pos_emb" and shape[0] >= asked[0]
+                                    and shape[1] == asked[1])
+        if not fits:
+            problems.append(f"{' and '.join(f'{f}={a}' for f, a in zip(fields, asked, strict=True))}, but {what} "
+                            f"{described} is {shape} ({', '.join(fields)})")
+            if len(shape) == 2:
+                oversize |= any(over(a, n) for a, n in zip(asked, shape, strict=True))
+            else:  # an op that does not apply (a reshape's element counts): compare the sizes
+                oversize |= over(asked[0] * asked[1], OVERSIZE * numel)
+    if not table and config.max_length * config.d_model > DERIVED_TABLE_LIMIT:
+        oversize = True
+        problems.append(f"max_length={config.max_length} with d_model={config.d_model}: no tensor states "
+                        f"max_length, and the (max_length, d_model) table it derives would hold "
+                        f"{config.max_length * config.d_model} values (the limit is {DERIVED_TABLE_LIMIT})")
+    if oversize:
+        raise ConversionError("the config does not fit the weights (nothing was built from it): "
+                              + "; ".join(problems))
 
 
 def _stock_map(embedding_prefix: str, encoder_prefix: str, position_key: str | None,

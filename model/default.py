@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import model.config
 import model.encoder
-from model.bundle import MANIFEST_FILE, BundleError, Manifest, save_bundle
+from model.bundle import MANIFEST_FILE, Manifest, build_atomically, save_bundle
 from model.config import REFERENCE
 from model.encoder import Encoder
 
@@ -44,20 +42,7 @@ def ensure_default_bundle(cache_dir: str | os.PathLike[str], seed: int = 0) -> P
     Built in a temporary sibling and renamed into place, so a reader never sees half a bundle and two
     processes racing both end up with one complete bundle.
     """
-    cache_dir = Path(cache_dir)
     final = default_bundle_dir(cache_dir, seed)
-    if (final / MANIFEST_FILE).is_file():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        build_default_bundle(tmp, seed)
-        try:
-            os.rename(tmp, final)  # atomic; replaces an empty directory, fails on a non-empty one
-        except OSError:
-            if not (final / MANIFEST_FILE).is_file():
-                raise BundleError(f"{final} exists but holds no bundle; remove it and retry") from None
-            # Another process finished first; its bundle is as good as ours.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (final / MANIFEST_FILE).is_file():
+        build_atomically(final, lambda tmp: build_default_bundle(tmp, seed))
     return final

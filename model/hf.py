@@ -65,8 +65,10 @@ def _read_json(path: Path, *, required: bool = True) -> dict[str, Any] | None:
         if required:
             raise HFConversionError(f"{path} not found") from None
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # UnicodeDecodeError, JSONDecodeError, an int of over 4300 digits
         raise HFConversionError(f"{path} is not readable JSON: {e}") from None
+    except RecursionError:
+        raise HFConversionError(f"{path} is not readable JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise HFConversionError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -242,8 +244,10 @@ def _read_json_list(path: Path) -> list[Any] | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:
         raise HFConversionError(f"{path} is not readable JSON: {e}") from None
+    except RecursionError:
+        raise HFConversionError(f"{path} is not readable JSON: nested too deeply") from None
     if not isinstance(data, list):
         raise HFConversionError(f"{path} must hold a JSON list of modules, got {type(data).__name__}")
     return data

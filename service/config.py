@@ -47,8 +47,10 @@ class ServiceConfig:
     http_keepalive_s: float = _opt(75.0, "an idle HTTP keep-alive connection is closed after this")
     ready_file: str = _opt("", "write {port, metrics_port, health_port, pid} as JSON here once SERVING")
     # Model
-    model: str = _opt("", "model bundle directory; empty = the built-in default model, built on first use")
-    cache_dir: str = _opt("", "where the built-in default bundle is built (default ~/.cache/attention-service)")
+    model: str = _opt("", "model bundle directory, or a Hugging Face model folder (converted into cache_dir on "
+                      "first use, as convert-hf does); empty = the built-in default model, built on first use")
+    cache_dir: str = _opt("", "where the built-in default bundle and converted Hugging Face folders are built "
+                          "(default ~/.cache/attention-service)")
     device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
     precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda, fp32 on cpu)")
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")

@@ -15,6 +15,7 @@ import logging
 
 from model.bundle import MANIFEST_FILE
 from model.default import default_bundle_dir, ensure_default_bundle
+from model.hf_folder import prepare_model
 from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
@@ -72,7 +73,13 @@ class Engine:
         """Load and warm the model on the (started) model threads, then start the batcher that runs it."""
         config, metrics, threads = self.config, self.metrics, self.threads
         await self.hooks.pause("before_ready")
-        bundle_dir = config.model or await self._default_bundle()
+        if config.model:  # a bundle, or a Hugging Face folder converted into the cache (or reused from it)
+            prepared = await asyncio.to_thread(prepare_model, config.model, config.bundle_cache_dir)
+            if note := prepared.note():
+                log.info("%s", note)
+            bundle_dir = str(prepared.bundle_dir)
+        else:
+            bundle_dir = await self._default_bundle()
         runner = Runner(config, bundle_dir, metrics, len(threads))
         spec = await threads.call(runner.load)
         limits = batch_limits(config, spec)

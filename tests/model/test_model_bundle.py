@@ -194,10 +194,35 @@ def test_default_bundle_is_deterministic_from_the_seed(default_dir: Path, tmp_pa
     assert first.name == "attention-reference" and first.version == "1" and first.source == "seed:0"
     assert first.config == REFERENCE and first.validated_precisions[:2] == ("float32", "bfloat16")
     assert again.weights_sha256 == first.weights_sha256 != other.weights_sha256
+    assert again.sha256 == first.sha256 != other.sha256  # the file too, not only the weights
     a, b = load_bundle(default_dir).module, load_bundle(tmp_path / "b").module
     for (x, xw), (y, yw) in zip(_outputs(a, REFERENCE), _outputs(b, REFERENCE), strict=True):
         assert torch.equal(x, y)
         assert (xw is None and yw is None) or torch.equal(xw, yw)
+
+
+def test_default_bundle_is_one_file_in_every_process(tmp_path: Path) -> None:
+    """Identical replicas report one checksum: `python -m model default` in two processes whose string
+    hashes differ (PYTHONHASHSEED; it once ordered TorchScript's constants) writes the same model.pt.
+    (Not compared with a bundle built in this process: scripting other configs first mangles class names.)"""
+    built = []
+    for hash_seed in ("1", "2"):
+        result = subprocess.run([sys.executable, "-m", "model", "default", "--out", str(tmp_path / hash_seed)],
+                                capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                                env={**os.environ, "PYTHONHASHSEED": hash_seed})
+        assert result.returncode == 0, result.stderr
+        built.append(json.loads(result.stdout)["sha256"])
+        assert file_sha256(tmp_path / hash_seed / MODEL_FILE) == built[-1]
+    assert built[0] == built[1]
+
+
+def test_save_refuses_non_finite_weights(tmp_path: Path) -> None:
+    module = Encoder(TINY).init_weights(0)
+    with torch.no_grad():
+        module.blocks[1].ff.fc2.weight[3, 4] = float("inf")
+    with pytest.raises(BundleError, match=r"\['blocks\.1\.ff\.fc2\.weight'\] hold non-finite values"):
+        save_bundle(module, tmp_path / "b", name="x", version="1", source="test")
+    assert not (tmp_path / "b").exists()
 
 
 def test_ensure_default_bundle_builds_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

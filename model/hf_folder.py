@@ -1,0 +1,98 @@
+"""A Hugging Face model folder served directly: converted once (model/hf.py, what `convert-hf` runs) into the
+bundle cache, then reused.
+
+`prepare_model(path, cache_dir)` is what the service calls with its `--model`: a bundle directory (one with
+manifest.json) is used as it is; a folder with config.json and no manifest.json is a Hugging Face folder,
+converted into cache_dir/hf-{folder name}-{key}, where the key is a sha256 of the files the converter reads
+(config.json and the other JSON files, the weights file it picks) and of the converter's own code and the
+torch version, so a second start with the same folder reuses the bundle and a changed file or an upgrade
+converts again. Built in a temporary sibling and renamed into place (model/bundle.py build_atomically): a
+reader never sees half a bundle, and two processes racing end up with one. Nothing here logs: the result
+says what was done, and the service logs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.bundle import MANIFEST_FILE, Manifest, build_atomically, save_bundle
+from model.default import ensure_default_bundle
+from model.hf import convert_hf
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # the order model/hf.py load_hf_weights prefers
+_MODEL_CODE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """The bundle to load, and how it came to be: "default" (the seeded default bundle), "bundle" (given as
+    one), "converted" (from the Hugging Face folder `source`, now), or "reused" (converted by an earlier
+    start)."""
+
+    bundle_dir: Path
+    source: Path
+    action: str
+
+    def note(self) -> str | None:
+        """One sentence for the log, or None for a bundle given as one (and the default bundle)."""
+        if self.action == "converted":
+            return f"converted Hugging Face folder {self.source} into {self.bundle_dir}"
+        if self.action == "reused":
+            return f"reusing converted bundle {self.bundle_dir} for Hugging Face folder {self.source}"
+        return None
+
+
+def is_hf_folder(path: str | os.PathLike[str]) -> bool:
+    """A directory with a Hugging Face config.json and no manifest.json (not a bundle)."""
+    path = Path(path)
+    return path.is_dir() and not (path / MANIFEST_FILE).exists() and (path / CONFIG_FILE).is_file()
+
+
+def convert_hf_folder(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, name: str = "",
+                      version: str = "1") -> Manifest:
+    """`python -m model convert-hf`: the folder as a text bundle in `out` (name: the folder's, by default)."""
+    encoder, tokenizer, settings, source = convert_hf(model_dir)
+    return save_bundle(encoder, out, name=name or Path(model_dir).resolve().name, version=version, source=source,
+                       text=(tokenizer, settings))
+
+
+def folder_key(model_dir: str | os.PathLike[str]) -> str:
+    """sha256 (hex) over the folder's JSON files and the weights file the converter reads (names and bytes),
+    the converter's code (model/**/*.py, the key maps) and the torch version that scripts the bundle."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(f"torch {torch.__version__}\n".encode())
+    for path in sorted(p for p in _MODEL_CODE.rglob("*") if p.suffix in (".py", ".json") and p.is_file()):
+        digest.update(f"code {path.relative_to(_MODEL_CODE).as_posix()}\n".encode())
+        digest.update(path.read_bytes())
+    weights = next((model_dir / n for n in WEIGHTS_FILES if (model_dir / n).is_file()), None)
+    inputs = [p for p in model_dir.rglob("*.json")
+              if p.is_file() and not any(part.startswith(".") for part in p.relative_to(model_dir).parts)]
+    for path in sorted(inputs + ([weights] if weights is not None else [])):
+        digest.update(f"file {path.relative_to(model_dir).as_posix()}\n".encode())
+        with path.open("rb") as f:  # streamed: weights run to gigabytes
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
+def prepare_model(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> PreparedModel:
+    """The bundle directory to serve for `--model path` (see the module docstring); no path ("") is the
+    seeded default bundle, built into cache_dir once (model/default.py). A folder that is neither a bundle
+    nor a Hugging Face folder is returned as given, for load_bundle to refuse by name."""
+    if not path:
+        return PreparedModel(ensure_default_bundle(cache_dir), Path(), "default")
+    path = Path(path)
+    if not is_hf_folder(path):
+        return PreparedModel(path, path, "bundle")
+    safe_name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name)[:64] or "model"
+    final = Path(cache_dir) / f"hf-{safe_name}-{folder_key(path)[:16]}"
+    if (final / MANIFEST_FILE).is_file():
+        return PreparedModel(final, path, "reused")
+    built = build_atomically(final, lambda tmp: convert_hf_folder(path, tmp))
+    return PreparedModel(final, path, "converted" if built else "reused")

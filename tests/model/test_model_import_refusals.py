@@ -1,0 +1,150 @@
+"""`python -m model convert-hf` / `convert` as a user runs them, on crafted inputs: every refusal is an
+`error:` line (details, if any, on indented lines after it) and exit 1, never a traceback, and nothing is
+written. Configs that lie about sizes are refused from the tensors' shapes before anything is built from
+them (a hidden_size of 4 million once meant a 52 TB allocation, a million layers minutes of building)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.hf_helpers import TINY_BERT, tiny_bert_state_dict, write_tiny_bert
+from tests.support.model_helpers import StockEncoder, tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    # The timeout is a safety net, not a measurement: each run here takes seconds.
+    return subprocess.run([sys.executable, "-m", "model", *argv], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+
+
+def _assert_refused(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert all(line.startswith(" ") for line in lines[1:]), result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr[-3000:]
+    assert result.stdout == ""
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize(("case", "fragments"), [
+    ("nested config.json", ["config.json is not readable JSON: nested too deeply"]),
+    ("nested modules.json", ["modules.json is not readable JSON: nested too deeply"]),
+    ("config.json with a 5000-digit int", ["config.json is not readable JSON", "4300 digits"]),
+    ("hidden_size of 4 million", ["the config does not fit the weights (nothing was built from it)",
+                                  "d_model=4000000, but the token embedding"]),
+    ("a million layers", ["the config does not fit the weights", "n_layers=1000000, but the state_dict holds "
+                          "2 layers through key map hf_bert (no 'encoder.layer.2.output.dense.weight')"]),
+    ("intermediate_size of 10 million", ["d_ff=10000000, but the feed-forward output"]),
+    ("max_position_embeddings of a billion", ["max_length=1000000000 and d_model=32, but the position table"]),
+    ("an infinite weight", ["blocks.1.ff.fc1.weight <- copy(encoder.layer.1.intermediate.dense.weight): 1 of "
+                            "2048 values are not finite"]),
+])
+def test_convert_hf_refuses_crafted_folders(tmp_path: Path, case: str, fragments: list[str]) -> None:
+    folder = write_tiny_bert(tmp_path / "hf")
+    if case == "nested config.json":
+        (folder / "config.json").write_text(DEEP)
+    elif case == "nested modules.json":
+        (folder / "modules.json").write_text(DEEP)
+    elif case == "config.json with a 5000-digit int":
+        (folder / "config.json").write_text('{"model_type": "bert", "hidden_size": ' + "9" * 5000 + "}")
+    elif case == "hidden_size of 4 million":
+        _edit_config(folder, hidden_size=4_000_000)
+    elif case == "a million layers":
+        _edit_config(folder, num_hidden_layers=1_000_000)
+    elif case == "intermediate_size of 10 million":
+        _edit_config(folder, intermediate_size=10_000_000)
+    elif case == "max_position_embeddings of a billion":
+        _edit_config(folder, max_position_embeddings=1_000_000_000)
+    elif case == "an infinite weight":
+        state = tiny_bert_state_dict(TINY_BERT)
+        state["encoder.layer.1.intermediate.dense.weight"][5, 7] = float("inf")
+        write_tiny_bert(folder, state_dict=state)
+    _assert_refused(_cli("convert-hf", "--model-dir", str(folder), "--out", str(tmp_path / "out")), *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def _stock_files(tmp_path: Path) -> tuple[Path, dict[str, object]]:
+    config = tiny(positional="none")
+    torch.manual_seed(0)
+    torch.save(StockEncoder(config).state_dict(), tmp_path / "state.pt")
+    return tmp_path / "state.pt", config.to_dict()
+
+
+def _stock_map_with(tok_emb_spec: str) -> str:
+    text = (ROOT / "model" / "keymaps" / "stock.json").read_text()
+    old = '"tok_emb.weight": "{embedding}weight"'
+    assert old in text
+    return text.replace(old, f'"tok_emb.weight": {tok_emb_spec}')
+
+
+@pytest.mark.parametrize(("case", "fragments"), [
+    ("nested config", ["EncoderConfig JSON is malformed: nested too deeply"]),
+    ("nested key map", ["is malformed: nested too deeply"]),
+    ("nested TOML key map", ["is malformed: nested too deeply"]),
+    ("a spec nested 400 deep", ["specs nested deeper than 16 levels"]),
+    ("d_model of a million", ["the config does not fit the weights", "d_model=1048576, but the token embedding"]),
+    ("a million layers", ["n_layers=1000000, but the state_dict holds 2 layers through key map stock"]),
+    ("max_length of a billion", ["max_length=1000000000 with d_model=32: no tensor states max_length"]),
+    ("times 1e308", ["tok_emb.weight <- copy(embedding.weight) * 1e+308: 3200 of 3200 values are not finite"]),
+])
+def test_convert_refuses_crafted_inputs(tmp_path: Path, case: str, fragments: list[str]) -> None:
+    state, config = _stock_files(tmp_path)
+    key_map = "stock"
+    if case == "nested config":
+        (tmp_path / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    else:
+        changes = {"d_model of a million": {"d_model": 2**20, "d_ff": 2**22, "vocab_size": 2**20},
+                   "a million layers": {"n_layers": 10**6},
+                   "max_length of a billion": {"max_length": 10**9, "positional": "sinusoidal"}}.get(case, {})
+        (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    if case == "nested key map":
+        (tmp_path / "map.json").write_text(DEEP)
+        key_map = str(tmp_path / "map.json")
+    elif case == "nested TOML key map":
+        (tmp_path / "map.toml").write_text("a = " + DEEP)
+        key_map = str(tmp_path / "map.toml")
+    elif case == "a spec nested 400 deep":
+        (tmp_path / "map.json").write_text(_stock_map_with('{"op": "copy", "src": ' * 400 + '"{embedding}weight"'
+                                                           + "}" * 400))
+        key_map = str(tmp_path / "map.json")
+    elif case == "times 1e308":
+        (tmp_path / "map.json").write_text(_stock_map_with('{"op": "copy", "src": "{embedding}weight", '
+                                                           '"times": 1e308}'))
+        key_map = str(tmp_path / "map.json")
+    result = _cli("convert", "--state-dict", str(state), "--config", str(tmp_path / "config.json"),
+                  "--out", str(tmp_path / "out"), "--name", "x", "--version", "1", "--key-map", key_map)
+    _assert_refused(result, *fragments)
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_must_be_new_or_empty(tmp_path: Path) -> None:
+    folder = write_tiny_bert(tmp_path / "hf")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    _assert_refused(_cli("convert-hf", "--model-dir", str(folder), "--out", str(busy)),
+                    f"--out {busy} is not empty (it holds notes.txt)")
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"] and (busy / "notes.txt").read_text() == "mine"
+    (tmp_path / "file").write_text("x")
+    _assert_refused(_cli("default", "--out", str(tmp_path / "file")), "is a file")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _cli("convert-hf", "--model-dir", str(folder), "--out", str(empty))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in empty.iterdir()) == ["manifest.json", "model.pt", "tokenizer.json"]
