@@ -156,6 +156,10 @@ class TextTokenizer:
             out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), full, list(enc.tokens)))
         return out
 
+    def decode(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        """Token ids -> texts (ids checked against the vocabulary by the caller)."""
+        return list(self._plain.decode_batch([list(r) for r in rows], skip_special_tokens=skip_special_tokens))
+
 
 def special_ids(data: bytes, source: str = TOKENIZER_FILE) -> dict[str, int]:
     """The special tokens of a tokenizer.json (added tokens marked special) and their ids."""

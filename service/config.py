@@ -41,6 +41,10 @@ class ServiceConfig:
     metrics_port: int = _opt(9464, "Prometheus /metrics HTTP port (0 picks a free one, -1 disables it)")
     health_port: int = _opt(
         -1, "extra plaintext port serving only grpc.health.v1, for probes when TLS is on (-1 = off, 0 = a free one)")
+    http_port: int = _opt(8000, "HTTP port of the OpenAI, TEI, KServe v2 REST and attention.v1 JSON routes "
+                                "(docs/http.md; 0 picks a free one, -1 disables it); TLS and tokens as the gRPC port's")
+    http_read_timeout_s: float = _opt(30.0, "an HTTP request whose body has not arrived within this is answered 408")
+    http_keepalive_s: float = _opt(75.0, "an idle HTTP keep-alive connection is closed after this")
     ready_file: str = _opt("", "write {port, metrics_port, health_port, pid} as JSON here once SERVING")
     # Model
     model: str = _opt("", "model bundle directory, or a Hugging Face model folder (converted into cache_dir on "
@@ -132,7 +136,7 @@ class ServiceConfig:
             if value not in choices:
                 raise ValueError(f"{name} must be one of {'|'.join(choices)}; got {value!r}")
         _check("port", self.port, 0, 65535)
-        for name in ("metrics_port", "health_port"):
+        for name in ("metrics_port", "health_port", "http_port"):
             _check(name, getattr(self, name), -1, 65535)
         for name in (
             "max_batch_size", "max_queue_tokens", "max_queue_requests",
@@ -146,6 +150,8 @@ class ServiceConfig:
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)
         _check("default_timeout_s", self.default_timeout_s, 1e-3, None)
+        _check("http_read_timeout_s", self.http_read_timeout_s, 1e-3, None)
+        _check("http_keepalive_s", self.http_keepalive_s, 1e-3, None)
         for name in ("max_connection_idle_s", "max_connection_age_s", "max_connection_age_grace_s"):
             _check(name, getattr(self, name), 0, 2_000_000)  # grpc takes int milliseconds
         for name in ("keepalive_time_s", "keepalive_timeout_s"):

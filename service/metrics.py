@@ -37,7 +37,10 @@ FAILURE_REASONS = (*dict.fromkeys(REASON_OF.values()), "internal")
 DROP_REASONS = ("cancelled", "deadline", "shutting_down")
 METHODS = ("Encode", "EncodeStream")
 # The front doors' inference methods: the calls KServe's ModelStatistics counts (both doors, model-wide).
-INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer")
+# Calls counted in ModelStatistics: both gRPC doors' and the HTTP door's (service/doors/http/door.py names them).
+INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer", "POST /v1/embeddings", "POST /embed",
+                 "POST /embed_all", "POST /v1/encode", "POST /v2/models/{model}/infer",
+                 "POST /v2/models/{model}/versions/{version}/infer")
 
 
 # With edge processes (service/multiproc/) every process writes its own values and /metrics sums them

@@ -25,6 +25,7 @@ from service.batching import Batcher
 from service.config import ServiceConfig
 from service.doors.calls import Calls, Serving
 from service.doors.front import Front, GrpcFront, build_front
+from service.doors.http.door import Fronts, HttpDoor, HttpFront
 from service.engine import Engine
 from service.fault_hooks import FaultHooks
 from service.jobs import Job
@@ -51,7 +52,15 @@ class Server:
         front = build_front(config, calls, self.metrics, self.health, self.engine.workers)
         self.grpc, self.port = front.grpc, front.port
         self.servicer, self.kserve = front.servicer, front.kserve
-        self._front = GrpcFront(front.grpc, self.serving)
+        # The HTTP door (docs/http.md): the same calls, doors and metrics, on its own port, drained with gRPC.
+        self.http: HttpDoor | None = None
+        if config.http_port >= 0:
+            self.http = HttpDoor(config, calls, self.metrics, front.servicer, front.kserve)
+            log.info("HTTP port %d: %s; bearer tokens as the gRPC port's", self.http.port,
+                     "TLS" if self.http.tls else "plaintext")
+        self.http_port = self.http.port if self.http is not None else 0
+        self._front = Fronts(GrpcFront(front.grpc, self.serving),
+                             HttpFront(self.http, self.serving) if self.http is not None else None)
         if self.hooks.armed:
             log.warning("fault hooks armed (test builds only): %s", self.hooks.armed)
         log_front(config, front, self.lifecycle.health_port)
@@ -75,6 +84,8 @@ class Server:
         """Listen, then load and warm the model in the background (see `ready()`)."""
         await self.lifecycle.open()
         await self.grpc.start()
+        if self.http is not None:
+            await self.http.start()
         self.engine.start()
         self._startup = asyncio.create_task(self._load_and_warm())
 
@@ -86,7 +97,7 @@ class Server:
     async def _load_and_warm(self) -> None:
         batcher, spec = await self.engine.load()
         self.serving.batcher, self.serving.spec = batcher, spec
-        await self.lifecycle.serving({"port": self.port})
+        await self.lifecycle.serving({"port": self.port, "http_port": self.http_port})
         log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, self.config.host, self.port,
                  spec.device, spec.precision)
 

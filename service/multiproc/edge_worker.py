@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 from service.config import ServiceConfig
 from service.doors.calls import Calls, Serving
 from service.doors.front import GrpcFront, build_front, ledger
+from service.doors.http.door import Fronts, HttpDoor, HttpFront
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.remote import ModelClient
@@ -62,7 +63,10 @@ async def run(directory: Path) -> int:
     calls = Calls(config, serving, metrics)
     try:
         front = build_front(config, calls, metrics, lifecycle.health, workers, reuse_port=True)
-    except RuntimeError as exc:
+        # The HTTP door on the HTTP port the model process holds, shared the same way (docs/http.md).
+        http = HttpDoor(config, calls, metrics, front.servicer, front.kserve, reuse_port=True) \
+            if config.http_port >= 0 else None
+    except (RuntimeError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 1
     loop = asyncio.get_running_loop()
@@ -72,6 +76,8 @@ async def run(directory: Path) -> int:
     metrics.queue_limit_tokens.set(config.max_queue_tokens)
     await lifecycle.open()
     await front.grpc.start()
+    if http is not None:
+        await http.start()
     serving.spec, serving.batcher = spec, client
     await lifecycle.serving({})
     client.start()
@@ -81,7 +87,8 @@ async def run(directory: Path) -> int:
 
     async def stop(grace: float) -> None:
         # The model process answers every accepted job before the grace ends (as one process does).
-        await lifecycle.drain(grace, GrpcFront(front.grpc, serving), None)
+        await lifecycle.drain(grace, Fronts(GrpcFront(front.grpc, serving),
+                                            HttpFront(http, serving) if http is not None else None), None)
 
     drain = asyncio.create_task(drains.get())
     gone = asyncio.create_task(lost.wait())

@@ -31,6 +31,7 @@ socket close, fail their unanswered calls UNAVAILABLE and exit 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fcntl
 import functools
@@ -207,10 +208,11 @@ class EdgeSlot:
 class ModelHost:
     """The model process: the engine, the edge processes it spawns, and the socket they reach it on."""
 
-    def __init__(self, config: ServiceConfig, directory: Path, port: int) -> None:
+    def __init__(self, config: ServiceConfig, directory: Path, port: int, http_port: int = -1) -> None:
         self.config = config
         self.directory = directory
         self.port = port
+        self.http_port = http_port  # the HTTP door's (docs/http.md), held like the gRPC port; -1: off
         self.metrics = Metrics(CollectorRegistry())
         self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
@@ -250,7 +252,8 @@ class ModelHost:
         self.batcher, self.spec = await self.engine.load()
         # No secret in the file: the bearer tokens go to each edge in its HELLO (_connection), so a
         # directory left behind by a killed process holds none. 0600 in a 0700 directory all the same.
-        edge_config = {**_fields(config), "port": self.port, "ready_file": "", "auth_tokens": ""}
+        edge_config = {**_fields(config), "port": self.port, "http_port": self.http_port, "ready_file": "",
+                       "auth_tokens": ""}
         with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             json.dump(edge_config, f)
         self._unix = await asyncio.start_unix_server(self._connection, str(self.directory / SOCKET))
@@ -260,7 +263,8 @@ class ModelHost:
         if self.stopping:
             return
         await self.lifecycle.serving({
-            "port": self.port, "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
+            "port": self.port, "http_port": max(self.http_port, 0),
+            "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
         spec = self.spec
         log.info("serving %s v%s on %s:%d through %d edge processes (%s, %s)", spec.name, spec.version,
                  config.host, self.port, len(self.slots), spec.device, spec.precision)
@@ -412,9 +416,20 @@ async def _serve(config: ServiceConfig, directory: Path) -> int:
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1
-    with holder, lock:
+    with contextlib.ExitStack() as held:
+        held.enter_context(holder)
+        held.enter_context(lock)
+        http_port = -1
+        if config.http_port >= 0:  # the HTTP door's port, held and shared by the edges the same way
+            try:
+                http_holder, http_port, http_lock = reserve_port(config.host, config.http_port)
+            except OSError as exc:
+                log.error("cannot start: HTTP port: %s", exc)
+                return 1
+            held.enter_context(http_holder)
+            held.enter_context(http_lock)
         try:
-            host = ModelHost(config, directory, port)
+            host = ModelHost(config, directory, port, http_port)
         except (RuntimeError, ValueError, OSError) as exc:
             log.error("cannot start: %s", exc)
             return 1

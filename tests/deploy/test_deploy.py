@@ -43,7 +43,7 @@ COMPOSE_VARIANTS = {
     "gpu-scale": ["docker-compose.yml", "docker-compose.scale.yml"],
     "cpu-scale": ["docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.scale.yml"],
 }
-GRPC_PORT, METRICS_PORT = 50051, 9464
+GRPC_PORT, METRICS_PORT, HTTP_PORT = 50051, 9464, 8000
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 # The metrics contract (service/metrics.py, pinned by tests/service/test_metrics.py): family -> its labels. Alerts and
@@ -266,7 +266,7 @@ def test_stop_grace_period_exceeds_drain(compose: tuple[str, dict[str, Any]]) ->
     assert service.get("stop_signal", "SIGTERM") == "SIGTERM"
 
 
-def test_only_the_grpc_port_is_public(compose: tuple[str, dict[str, Any]]) -> None:
+def test_only_the_grpc_and_http_ports_are_public(compose: tuple[str, dict[str, Any]]) -> None:
     """Metrics (9464), Prometheus and Grafana are published on loopback only, never on 0.0.0.0."""
     _, model = compose
     for name, service in model["services"].items():
@@ -275,7 +275,8 @@ def test_only_the_grpc_port_is_public(compose: tuple[str, dict[str, Any]]) -> No
             if int(port["target"]) == METRICS_PORT:
                 assert not public, f"{name}: metrics port {METRICS_PORT} published on all interfaces: {port}"
             if public:
-                assert (name, int(port["target"])) == ("attention", GRPC_PORT), f"{name}: public port {port}"
+                assert (name, int(port["target"])) in {("attention", GRPC_PORT), ("attention", HTTP_PORT)}, \
+                    f"{name}: public port {port}"
 
 
 def test_every_port_is_on_loopback_by_default(compose: tuple[str, dict[str, Any]]) -> None:
@@ -294,7 +295,7 @@ def test_grpc_port_is_published_where_attn_publish_addr_says(variant: str, front
     model = json.loads(_compose(variant, env, "config", "--format", "json"))
     public = [(name, int(p["target"])) for name, service in model["services"].items()
               for p in service.get("ports", []) if p["host_ip"] != "127.0.0.1"]
-    assert public == [(front, GRPC_PORT)], "the switch opens the gRPC front door only"
+    assert public == [(front, GRPC_PORT), (front, HTTP_PORT)], "the switch opens the gRPC and HTTP front doors only"
 
 
 # What Docker Engine 20.10 (Debian 12's docker.io) accepts: its classic builder's flags per instruction
@@ -398,7 +399,9 @@ def test_scale_override(compose: tuple[str, dict[str, Any]]) -> None:
     services = model["services"]
     attention, envoy = services["attention"], services["envoy"]
     assert attention["deploy"]["replicas"] >= 2 and not attention.get("ports"), attention.get("ports")
-    assert [int(p["target"]) for p in envoy["ports"]] == [GRPC_PORT]
+    assert [int(p["target"]) for p in envoy["ports"]] == [GRPC_PORT, HTTP_PORT]
+    http = envoy_cluster(load_envoy_config(), "attention_http")["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+    assert http["endpoint"]["address"]["socket_address"] == {"address": "attention", "port_value": HTTP_PORT}
     assert envoy["depends_on"]["attention"]["condition"] == "service_healthy"
     (mount,) = [v for v in envoy["volumes"] if v["type"] == "bind"]
     assert Path(mount["source"]).resolve() == ENVOY_CONFIG.resolve() and mount["target"] in envoy["command"]

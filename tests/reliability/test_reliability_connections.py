@@ -47,7 +47,7 @@ def test_a_metrics_port_in_use_stops_start_up_with_one_clean_line(tiny_bundle: P
         metrics_port = taken.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(grpc_port),
-             "--metrics-port", str(metrics_port), "--model", str(tiny_bundle), "--no-warmup"],
+             "--metrics-port", str(metrics_port), "--http-port", "-1", "--model", str(tiny_bundle), "--no-warmup"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )
     output = result.stdout + result.stderr

@@ -214,11 +214,13 @@ async def test_no_file_holds_a_token_and_what_a_killed_model_process_leaves_is_s
                 os.kill(pid, signal.SIGKILL)
     left = {path.name for path in tmp.iterdir()}
     lock = f"attention-service-{os.getuid()}-port-{first.ports['port']}.lock"
-    assert lock in left and len(left) == 2, left  # the private directory and the lock file
+    http_lock = f"attention-service-{os.getuid()}-port-{first.ports['http_port']}.lock"  # the HTTP door's port
+    assert {lock, http_lock} <= left and len(left) == 3, left  # the private directory and the lock files
     second = ServerProcess(fault_bundle, "--edge-processes", "1", directory=tmp_path / "second", env=env)
     now = {path.name for path in tmp.iterdir()}
-    assert not (left - {lock}) & now, now  # the dead owner's directory is gone
+    assert not (left - {lock, http_lock}) & now, now  # the dead owner's directory is gone
     assert lock not in now or second.ports["port"] == first.ports["port"], now
+    assert http_lock not in now or second.ports["http_port"] == first.ports["http_port"], now
     assert second.terminate() == 0, second.output()[-3000:]
     assert not list(tmp.iterdir()), list(tmp.iterdir())  # a clean exit leaves nothing: lock file included
     assert "left by a model process that is gone" in second.output()

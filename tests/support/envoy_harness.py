@@ -87,10 +87,11 @@ def loopback_config(base: dict[str, Any], ports: Sequence[int], *, fast: bool) -
         replicas["outlier_detection"].update(interval="0.5s", base_ejection_time="1s")
     # The admin cluster behind the metrics listener: the admin port is only known once Envoy runs, so
     # the test reads stats from the admin port directly.
+    # The HTTP door's listener and cluster are left out too: these tests drive the gRPC front door.
     config["static_resources"]["listeners"] = [
-        listener for listener in config["static_resources"]["listeners"] if listener["name"] != "metrics"]
+        listener for listener in config["static_resources"]["listeners"] if listener["name"] not in ("metrics", "http")]
     config["static_resources"]["clusters"] = [c for c in config["static_resources"]["clusters"]
-                                              if c["name"] != "envoy_admin"]
+                                              if c["name"] not in ("envoy_admin", "attention_http")]
     return config
 
 

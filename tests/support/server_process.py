@@ -44,7 +44,7 @@ class ServerProcess:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, *program, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                 "--model", str(bundle), "--ready-file", str(ready), *flags],
+                 "--http-port", "0", "--model", str(bundle), "--ready-file", str(ready), *flags],
                 cwd=source, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, **({"PYTHONPATH": str(source)} if source != ROOT else {}), **(env or {})},
             )

@@ -1,0 +1,78 @@
+"""The inputs OpenAI's and TEI's embedding routes share (a text, texts, token ids, or lists of token
+ids), the plan's field names as those bodies name them (`input[2]`, not `sequences[2].text`), and the
+size of a JSON response (service/plan.py checks it against max_message_bytes before any compute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from service.errors import InvalidInput
+from service.jobs import ModelSpec
+from service.plan import Names, Plan, Sizes
+
+Inputs = list[str] | list[np.ndarray]
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def decode_inputs(value: object, field: str) -> Inputs:
+    """A string, an array of strings, an array of token ids, or an array of arrays of token ids."""
+    shape = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise InvalidInput(field, f"must be {shape} (not empty)")
+    if all(isinstance(v, str) for v in value):
+        return list(value)
+    if all(_is_int(v) for v in value):
+        return [_ids(value, field)]
+    if all(isinstance(v, list) for v in value):
+        return [_ids(v, f"{field}[{i}]") for i, v in enumerate(value)]
+    raise InvalidInput(field, f"must be {shape}; got a mixed array")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ids(values: list[object], field: str) -> np.ndarray:
+    if not values:
+        raise InvalidInput(field, "holds no token ids")
+    for j, v in enumerate(values):
+        if not _is_int(v):
+            raise InvalidInput(f"{field}[{j}]", "must be an integer token id")
+        if not _INT64[0] <= v <= _INT64[1]:  # type: ignore[operator]
+            raise InvalidInput(f"{field}[{j}]", "is out of range")
+    return np.asarray(values, np.int64)
+
+
+def names(field: str) -> Names:
+    """The plan's field names as an HTTP body names them: `input[2]`, `input[2][5]`, `prompt_name`."""
+    return Names(sequences=field, sequence=field + "[{i}]", element="{sequence}[{j}]", texts=field,
+                 output="body", pooling="pooling", normalize="normalize", dtype="dtype",
+                 prompt_name="prompt_name", long_inputs="truncate", chunk_stride="truncate")
+
+
+# Bytes one float32 takes as JSON text (the longest repr of a float32 as a double, and a comma).
+JSON_FLOAT = 26
+
+
+def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
+    """An upper bound on the JSON response of `plan` (vectors or token embeddings as float text,
+    base64 being shorter), for max_message_bytes."""
+    values = sum((job.length if job.return_hidden else 0) + (1 if job.pooling else 0) for job in plan.sequences)
+    return Sizes(0, values * spec.d_model * JSON_FLOAT + 64 * len(plan.sequences) + 256)
+
+
+def dimensions(vectors: Sequence[np.ndarray], dims: int | None) -> list[np.ndarray]:
+    """Matryoshka truncation: the first `dims` values of each vector, renormalised to unit length."""
+    if dims is None:
+        return list(vectors)
+    out = []
+    for v in vectors:
+        cut = np.asarray(v[:dims], np.float32)
+        norm = float(np.linalg.norm(cut))
+        out.append(cut / norm if norm > 0 else cut)
+    return out

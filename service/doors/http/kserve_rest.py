@@ -1,0 +1,232 @@
+"""KServe v2 REST (the Open Inference Protocol over HTTP, as Triton and tritonclient.http speak it):
+JSON <-> the v2 protobuf messages of the gRPC door (service/doors/kserve_v2.py), which does the rest.
+
+An infer body is JSON, or, with `Inference-Header-Content-Length: N`, N bytes of JSON followed by
+the binary tensors of the inputs whose parameters carry `binary_data_size`, in input order (Triton's
+binary-data extension). Outputs come back binary unless the output asks `binary_data: false` (the
+request parameter `binary_data_output` sets the default for outputs not listed). Errors: {"error": message}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as v2
+
+from proto.attention.v1.codec import bfloat16_bits_to_float32
+from service.doors.http.wire import Dialect, json_object, kind, parse_json
+from service.errors import InvalidInput, ServiceError
+
+HEADER = "Inference-Header-Content-Length"
+_DTYPES = {"INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "FP16": "<f2"}
+_TENSOR_FIELDS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+
+
+def error_body(error: ServiceError, status: int) -> dict[str, Any]:
+    return {"error": error.message}
+
+
+DIALECT = Dialect("kserve", error_body)
+
+
+def _parameter(into: Any, name: str, value: Any, field: str) -> None:
+    p = into[name]
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        if not -(2**63) <= value < 2**63:
+            raise InvalidInput(field, "integer out of range")
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    elif isinstance(value, str):
+        p.string_param = value
+    else:
+        raise InvalidInput(field, f"must be a boolean, a number or a string; got {kind(value)}")
+
+
+def _parameters(value: Any, field: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(field, f"must be an object; got {kind(value)}")
+    return value
+
+
+def split(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
+    """(the JSON header, the binary tail) of an infer body."""
+    if header_length is None:
+        return parse_json(body), b""
+    try:
+        n = int(header_length)
+    except ValueError:
+        raise InvalidInput(HEADER, "must be an integer") from None
+    if not 0 < n <= len(body):
+        raise InvalidInput(HEADER, f"must be in 1..{len(body)} (the body's length); got {n}")
+    return parse_json(body[:n]), body[n:]
+
+
+def infer_request(header: Any, binary: bytes, model: str, version: str) -> tuple[Any, dict[str, bool]]:
+    """The v2 ModelInferRequest, and for each output asked for whether it goes back binary (the key
+    "" is the default for outputs not listed)."""
+    header = json_object(header)
+    for name in header:
+        if name not in ("id", "parameters", "inputs", "outputs"):
+            raise InvalidInput(str(name)[:64], "unknown field; known: id, inputs, outputs, parameters")
+    request = v2.ModelInferRequest(model_name=model, model_version=version)
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidInput("id", f"must be a string; got {kind(request_id)}")
+    request.id = request_id
+    binary_default = False
+    for name, value in _parameters(header.get("parameters"), "parameters").items():
+        if name == "binary_data_output":
+            if not isinstance(value, bool):
+                raise InvalidInput("parameters.binary_data_output", "must be a boolean")
+            binary_default = value
+            continue
+        _parameter(request.parameters, str(name), value, f"parameters.{str(name)[:64]}")
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidInput("inputs", "required: an array of tensors")
+    at = 0
+    for i, tensor in enumerate(inputs):
+        at = _input(request, json_object(tensor, f"inputs[{i}]"), i, binary, at)
+    if at != len(binary):
+        raise InvalidInput("body", f"{len(binary) - at} bytes of binary data beyond the inputs' binary_data_size")
+    binary_out = {"": binary_default}
+    outputs = header.get("outputs")
+    if outputs is not None:
+        if not isinstance(outputs, list):
+            raise InvalidInput("outputs", "must be an array")
+        for i, output in enumerate(outputs):
+            output = json_object(output, f"outputs[{i}]")
+            name = output.get("name")
+            if not isinstance(name, str):
+                raise InvalidInput(f"outputs[{i}].name", "required: a string")
+            asked = request.outputs.add(name=name)
+            params = dict(_parameters(output.get("parameters"), f"outputs[{i}].parameters"))
+            wants_binary = params.pop("binary_data", binary_default)
+            if not isinstance(wants_binary, bool):
+                raise InvalidInput(f"outputs[{i}].parameters.binary_data", "must be a boolean")
+            if params.pop("class_count", 0) not in (0, None):
+                raise InvalidInput(f"outputs[{i}].parameters.class_count", "classification is not supported")
+            for key, value in params.items():
+                _parameter(asked.parameters, str(key), value, f"outputs[{i}].parameters.{str(key)[:64]}")
+            binary_out[name] = wants_binary
+    return request, binary_out
+
+
+def _input(request: Any, tensor: dict[str, Any], i: int, binary: bytes, at: int) -> int:
+    """Adds input `i` (its data as raw bytes, as tritonclient's gRPC client sends them); returns the offset
+    in the binary tail after it."""
+    for key in tensor:
+        if key not in _TENSOR_FIELDS:
+            raise InvalidInput(f"inputs[{i}].{str(key)[:64]}", "unknown field")
+    name, datatype, shape = tensor.get("name"), tensor.get("datatype"), tensor.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype, str):
+        raise InvalidInput(f"inputs[{i}]", "name and datatype are required strings")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**31
+                                              for d in shape):
+        raise InvalidInput(f"inputs[{i}].shape", "must be an array of non-negative integers")
+    params = dict(_parameters(tensor.get("parameters"), f"inputs[{i}].parameters"))
+    size = params.pop("binary_data_size", None)
+    out = request.inputs.add(name=name, datatype=datatype, shape=shape)
+    for key, value in params.items():
+        _parameter(out.parameters, str(key), value, f"inputs[{i}].parameters.{str(key)[:64]}")
+    if size is not None:
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= len(binary) - at:
+            raise InvalidInput(f"inputs[{i}].parameters.binary_data_size",
+                               "must be a non-negative integer within the binary data")
+        if "data" in tensor:
+            raise InvalidInput(f"inputs[{i}]", "both data and binary_data_size given")
+        request.raw_input_contents.append(binary[at: at + size])
+        return at + size
+    if "data" not in tensor:
+        raise InvalidInput(f"inputs[{i}].data", "required (or binary_data_size)")
+    request.raw_input_contents.append(_raw(tensor["data"], datatype, i))
+    return at
+
+
+def _raw(data: Any, datatype: str, i: int) -> bytes:
+    """JSON tensor data (flat or nested, row-major) as the raw bytes the gRPC door decodes."""
+    field = f"inputs[{i}].data"
+    flat = _flatten(data, field)
+    if datatype == "BYTES":
+        out = bytearray()
+        for item in flat:
+            if not isinstance(item, str):
+                raise InvalidInput(field, "BYTES data must be strings")
+            raw = item.encode("utf-8", "surrogatepass")
+            out += len(raw).to_bytes(4, "little") + raw
+        return bytes(out)
+    dtype = _DTYPES.get(datatype)
+    if dtype is None or dtype.startswith("<f"):
+        return b""  # the gRPC door names the datatype it takes (a byte-size mismatch never hides it)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+        raise InvalidInput(field, f"{datatype} data must be integers")
+    info = np.iinfo(dtype)
+    if any(not info.min <= v <= info.max for v in flat):
+        raise InvalidInput(field, f"a value is out of the {datatype} range")
+    return np.asarray(flat, dtype).tobytes()
+
+
+def _flatten(data: Any, field: str, depth: int = 0) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    if depth > 8:
+        raise InvalidInput(field, "nested too deep")
+    out: list[Any] = []
+    for item in data:
+        out.extend(_flatten(item, field, depth + 1) if isinstance(item, list) else [item])
+    return out
+
+
+def infer_response(response: Any, binary_out: Mapping[str, bool]) -> tuple[bytes, int | None]:
+    """(body, JSON header length or None) of a ModelInferResponse."""
+    outputs, tail = [], []
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        shape = [int(d) for d in tensor.shape]
+        out: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": shape}
+        if binary_out.get(tensor.name, binary_out[""]):
+            out["parameters"] = {"binary_data_size": len(raw)}
+            tail.append(raw)
+        else:
+            out["data"] = _values(raw, tensor.datatype)
+        outputs.append(out)
+    header = {"model_name": response.model_name, "model_version": response.model_version, "outputs": outputs}
+    if response.id:
+        header["id"] = response.id
+    header["parameters"] = parameters(response.parameters)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    if not tail:
+        return body, None
+    return body + b"".join(tail), len(body)
+
+
+def _values(raw: bytes, datatype: str) -> list[Any]:
+    if datatype == "BF16":
+        bits = np.frombuffer(raw, "<u2")
+        values: list[Any] = bfloat16_bits_to_float32(bits).tolist()
+        return values
+    listed: list[Any] = np.frombuffer(raw, _DTYPES[datatype]).astype(np.float64).tolist()
+    return listed
+
+
+def parameters(params: Any) -> dict[str, Any]:
+    out = {}
+    for name, value in params.items():
+        choice = value.WhichOneof("parameter_choice")
+        if choice is not None:
+            out[name] = getattr(value, choice)
+    return out
+
+
+def message(msg: Any) -> dict[str, Any]:
+    """A v2 message as JSON: protobuf's own mapping, proto field names (Triton's HTTP shapes)."""
+    value: dict[str, Any] = json_format.MessageToDict(msg, preserving_proto_field_name=True)
+    return value

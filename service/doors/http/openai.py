@@ -1,0 +1,96 @@
+"""OpenAI's embeddings API: POST /v1/embeddings and GET /v1/models, in OpenAI's shapes.
+
+- `input`: a string, an array of strings, an array of token ids, or an array of arrays of token ids;
+- `model`: this service's model name (GET /v1/models lists it); another name is 404 model_not_found;
+- `encoding_format`: "float" (default) or "base64" (little-endian float32 bytes, as OpenAI sends them);
+- `dimensions`: the first n values, renormalised to unit length (1..d_model);
+- `user`: accepted, not used.
+The vector is the model's pooled embedding: a text bundle's own pooling and normalisation, or, for
+a model without a tokenizer, mean pooling normalised to unit length (OpenAI's vectors are unit vectors).
+`usage` counts tokens (special tokens included). Errors: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.doors.http.inputs import Inputs, decode_inputs, dimensions
+from service.doors.http.wire import Dialect, field_of, json_object, known_fields, optional
+from service.errors import InvalidInput, NotFound, ServiceError, status_of
+from service.jobs import Job
+
+FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error", 504: "server_error"}
+
+
+def error_body(error: ServiceError, status: int) -> dict[str, Any]:
+    code: str | None = status_of(error).lower()
+    if isinstance(error, NotFound) and "model" in error.message:
+        code = "model_not_found"
+    return {"error": {"message": error.message, "type": _TYPES.get(status, "server_error" if status >= 500
+                                                                    else "invalid_request_error"),
+                      "param": field_of(error), "code": code}}
+
+
+DIALECT = Dialect("openai", error_body)
+
+
+@dataclass(frozen=True)
+class EmbeddingsCall:
+    inputs: Inputs
+    model: str
+    base64: bool
+    dimensions: int | None
+
+
+def decode(body: Any, d_model: int) -> EmbeddingsCall:
+    body = json_object(body)
+    known_fields(body, FIELDS)
+    if "input" not in body:
+        raise InvalidInput("input", "required")
+    inputs = decode_inputs(body["input"], "input")
+    if any(isinstance(x, str) and not x for x in inputs):
+        raise InvalidInput("input", "a text must not be empty")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidInput("model", "required: the model's name (GET /v1/models)")
+    fmt = optional(body, "encoding_format", str, "float", "\"float\" or \"base64\"")
+    if fmt not in ("float", "base64"):
+        raise InvalidInput("encoding_format", "must be \"float\" or \"base64\"")
+    dims = optional(body, "dimensions", int, None, "an integer")
+    if dims is not None and not 1 <= dims <= d_model:
+        raise InvalidInput("dimensions", f"must be in 1..{d_model} (the model's width); got {dims}")
+    optional(body, "user", str, "", "a string")
+    return EmbeddingsCall(inputs, model, fmt == "base64", dims)
+
+
+def check_model(call: EmbeddingsCall, name: str) -> None:
+    if call.model != name:
+        raise NotFound(f"The model {_shown(call.model)} does not exist; this service serves {name!r}")
+
+
+def _shown(name: str) -> str:
+    return repr(name) if len(name) <= 64 and name.isprintable() else "(not shown)"
+
+
+def encode(call: EmbeddingsCall, sequences: Sequence[Job], vectors: Sequence[np.ndarray],
+           model: str) -> dict[str, Any]:
+    data = []
+    for i, v in enumerate(dimensions(vectors, call.dimensions)):
+        v = np.asarray(v, "<f4")
+        embedding: Any = base64.b64encode(v.tobytes()).decode() if call.base64 else v.tolist()
+        data.append({"object": "embedding", "embedding": embedding, "index": i})
+    tokens = sum(job.length for job in sequences)  # as computed: specials in, a truncated text's cut
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def models(name: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                         "owned_by": "attention-service"}]}

@@ -1,0 +1,117 @@
+"""Text Embeddings Inference's routes, in TEI's shapes and status codes:
+
+POST /embed      {"inputs", "normalize" (true), "truncate" (false), "truncation_direction" ("right"),
+                  "prompt_name", "dimensions"} -> [[float]]
+POST /embed_all  {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[[float]]] (token embeddings)
+POST /tokenize   {"inputs", "add_special_tokens" (true), "prompt_name"} -> [[{"id", "text", "special",
+                  "start", "stop"}]] (start/stop: null, offsets are not kept)
+POST /decode     {"ids", "skip_special_tokens" (true)} -> [str]
+GET  /info, GET /health
+
+Errors: {"error", "error_type"}; 413 more inputs than max_sequences_per_call, or a body over
+max_message_bytes; 422 invalid input; 424 a model failure; 429 overloaded (Retry-After); 503 not
+ready or draining. `truncation_direction` other than the bundle's own side is refused (422).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.doors.http.inputs import Inputs, decode_inputs
+from service.doors.http.wire import Dialect, TooLarge, json_object, known_fields, optional
+from service.errors import InvalidInput, ServiceError, status_of
+
+EMBED = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"})
+EMBED_ALL = frozenset({"inputs", "truncate", "truncation_direction", "prompt_name"})
+TOKENIZE = frozenset({"inputs", "add_special_tokens", "prompt_name"})
+DECODE = frozenset({"ids", "skip_special_tokens"})
+_ERROR_TYPES = {"INVALID_ARGUMENT": "validation", "FAILED_PRECONDITION": "validation", "NOT_FOUND": "validation",
+                "RESOURCE_EXHAUSTED": "overloaded", "UNAVAILABLE": "unhealthy", "DEADLINE_EXCEEDED": "backend",
+                "UNAUTHENTICATED": "validation", "INTERNAL": "backend", "CANCELLED": "backend"}
+
+
+def error_body(error: ServiceError, status: int) -> dict[str, Any]:
+    return {"error": error.message, "error_type": _ERROR_TYPES.get(status_of(error), "backend")}
+
+
+DIALECT = Dialect("tei", error_body, invalid=422, internal=424)
+
+
+@dataclass(frozen=True)
+class EmbedCall:
+    inputs: Inputs
+    normalize: bool
+    truncate: bool
+    prompt_name: str
+    dimensions: int | None
+
+
+def _inputs(body: dict[str, Any], max_inputs: int) -> Inputs:
+    if "inputs" not in body:
+        raise InvalidInput("inputs", "required")
+    inputs = decode_inputs(body["inputs"], "inputs")
+    if len(inputs) > max_inputs:
+        raise TooLarge("inputs", f"batch size {len(inputs)} > maximum allowed batch size {max_inputs}")
+    return inputs
+
+
+def _direction(body: dict[str, Any], side: str) -> None:
+    direction = optional(body, "truncation_direction", str, side, "\"right\" or \"left\"")
+    if direction.lower() not in ("right", "left"):
+        raise InvalidInput("truncation_direction", "must be \"right\" or \"left\"")
+    if direction.lower() != side:
+        raise InvalidInput("truncation_direction", f"this model truncates on the {side} only")
+
+
+def decode_embed(body: Any, *, max_inputs: int, d_model: int, side: str, all_tokens: bool = False) -> EmbedCall:
+    body = json_object(body)
+    known_fields(body, EMBED_ALL if all_tokens else EMBED)
+    inputs = _inputs(body, max_inputs)
+    truncate = optional(body, "truncate", bool, False, "a boolean")
+    _direction(body, side)
+    prompt = optional(body, "prompt_name", str, "", "a string")
+    normalize = optional(body, "normalize", bool, True, "a boolean")
+    dims = optional(body, "dimensions", int, None, "an integer")
+    if dims is not None and not 1 <= dims <= d_model:
+        raise InvalidInput("dimensions", f"must be in 1..{d_model} (the model's width); got {dims}")
+    return EmbedCall(inputs, normalize, truncate, prompt, dims)
+
+
+def decode_tokenize(body: Any, max_inputs: int) -> tuple[list[str], str]:
+    body = json_object(body)
+    known_fields(body, TOKENIZE)
+    inputs = _inputs(body, max_inputs)
+    if not all(isinstance(x, str) for x in inputs):
+        raise InvalidInput("inputs", "must be a string or an array of strings")
+    if not optional(body, "add_special_tokens", bool, True, "a boolean"):
+        raise InvalidInput("add_special_tokens", "false is not supported: the model's special tokens are always added")
+    return [str(x) for x in inputs], optional(body, "prompt_name", str, "", "a string")
+
+
+def decode_decode(body: Any, max_inputs: int, vocab_size: int) -> tuple[list[list[int]], bool]:
+    body = json_object(body)
+    known_fields(body, DECODE)
+    if "ids" not in body:
+        raise InvalidInput("ids", "required")
+    rows = decode_inputs(body["ids"], "ids")
+    if any(isinstance(r, str) for r in rows):
+        raise InvalidInput("ids", "must be an array of token ids, or an array of arrays of them")
+    if len(rows) > max_inputs:
+        raise TooLarge("ids", f"batch size {len(rows)} > maximum allowed batch size {max_inputs}")
+    out = []
+    for i, row in enumerate(rows):
+        assert isinstance(row, np.ndarray)
+        bad = np.flatnonzero((row < 0) | (row >= vocab_size))
+        if len(bad):
+            raise InvalidInput(f"ids[{i}][{int(bad[0])}]", f"id not in [0, {vocab_size})")
+        out.append(row.tolist())
+    return out, optional(body, "skip_special_tokens", bool, True, "a boolean")
+
+
+def tokens(ids: Sequence[int], texts: Sequence[str], special: frozenset[int]) -> list[dict[str, Any]]:
+    return [{"id": int(i), "text": t, "special": int(i) in special, "start": None, "stop": None}
+            for i, t in zip(ids, texts, strict=True)]
