@@ -94,6 +94,7 @@ async def drive(target: str, *, model: str, seconds: float, concurrency: int, le
     from model import faults
 
     codes: dict[str, int] = {}
+    leaked = [0]  # LEAK calls answered OK: each kept 1 MiB in the server (once per forward)
     end = time.monotonic() + seconds
     rng = np.random.default_rng(seed)
     # A local subchannel pool per channel: otherwise grpc shares one connection between channels (client/load.py).
@@ -131,6 +132,8 @@ async def drive(target: str, *, model: str, seconds: float, concurrency: int, le
                 try:
                     await call
                     code = "OK"
+                    if model == "faults" and ids[0] == faults.LEAK:
+                        leaked[0] += 1
                 except grpc.aio.AioRpcError as error:
                     code = error.code().name
                 except asyncio.CancelledError:
@@ -143,6 +146,8 @@ async def drive(target: str, *, model: str, seconds: float, concurrency: int, le
     finally:
         for channel in channels:
             await channel.close()
+    if leak_every:
+        codes["LEAK_OK (of OK)"] = leaked[0]
     return codes
 
 
@@ -232,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                  for pid, r in rows.items() if r[-1]["t"] > t0}
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t0)), "command": command,
-        "calls": sum(codes.values()), "codes": codes, "load_average_start_1min": round(load1, 2),
+        "calls": sum(v for k, v in codes.items() if not k.startswith("LEAK")), "codes": codes,
+        "load_average_start_1min": round(load1, 2),
         "load_average_end_1_5_15": [round(x, 2) for x in load2], "processes": processes,
     }
     text = json.dumps(report, indent=1)

@@ -25,12 +25,15 @@ def test_the_summary_fits_the_slope_after_the_warm_up() -> None:
 @pytest.mark.slow
 def test_a_short_run_with_the_leak_reports_the_service_and_its_growth(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    assert soak.main(["--model", "faults", "--minutes", "0.25", "--warmup-s", "3", "--concurrency", "4",
-                      "--leak-every", "20", "--keep", str(tmp_path / "work"), "--json", str(out)]) == 0
+    # One caller, every other call LEAK: one forward per call, so each LEAK answered OK kept 1 MiB.
+    assert soak.main(["--model", "faults", "--minutes", "0.25", "--warmup-s", "0", "--concurrency", "1",
+                      "--leak-every", "2", "--keep", str(tmp_path / "work"), "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["calls"] > 100 and report["codes"].get("OK", 0) > 0 and report["codes"].get("INTERNAL", 0) > 0
+    assert report["calls"] > 20 and report["codes"].get("OK", 0) > 0, report
     service = report["processes"]["service"]
     assert service["samples"] >= 10
     assert service["fds"][0] > 0 and service["threads"][0] > 1 and service["tasks"][0] >= 1
-    # One call in 20 keeps 1 MiB in the server: far above any plateau's slope.
-    assert service["rss_slope_mb_per_min_after_warmup"] > 30, service
+    leaked_mb = report["codes"]["LEAK_OK (of OK)"]
+    assert leaked_mb >= 10, report
+    assert service["rss_mb_end"] - service["rss_mb_at_warmup_end"] >= 0.8 * leaked_mb, (leaked_mb, service)
+    assert service["rss_slope_mb_per_min_after_warmup"] > 10, service  # a plateau's is under 1 (RESULTS.md)
