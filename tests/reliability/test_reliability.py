@@ -69,7 +69,7 @@ async def gather_outcomes(*calls: grpc.aio.UnaryUnaryCall) -> list[tuple[grpc.St
 @pytest.mark.usefixtures("fault_state")
 async def test_one_bad_sequence_fails_only_itself_in_a_batch_of_8(
         start_server, fault_bundle, reference_model, sentinel, code, split_reason):
-    s = await start_server(bundle=fault_bundle, max_batch_size=8, max_wait_ms=2000)
+    s = await start_server(bundle=fault_bundle, max_batch_size=8, max_wait_ms=30_000)  # ends full
     seqs = [np.arange(1, 5 + i) for i in range(8)]
     seqs[3] = np.array([7, sentinel, 9, 10])
     outcomes = await gather_outcomes(*(s.stub.Encode(ids_request(ids), timeout=30) for ids in seqs))
@@ -88,7 +88,7 @@ async def test_one_bad_sequence_fails_only_itself_in_a_batch_of_8(
 
 
 async def test_nan_row_in_bf16_is_recovered_in_fp32_for_that_row_only(start_server, fault_bundle, reference_model):
-    s = await start_server(bundle=fault_bundle, precision="bf16", max_batch_size=8, max_wait_ms=2000)
+    s = await start_server(bundle=fault_bundle, precision="bf16", max_batch_size=8, max_wait_ms=30_000)  # ends full
     seqs = [np.arange(1, 5 + i) for i in range(8)]
     seqs[5] = np.array([3, faults.NAN_ROW, 4])
     fp32_forwards = s.sample("attention_compute_duration_seconds_count", {"precision": "fp32"})  # warm-up's
@@ -209,10 +209,12 @@ async def test_cancel_in_each_race_window_is_counted_once_and_answered_at_once(s
 
 
 async def test_deadline_during_execution_fails_only_that_call(start_server, fault_bundle, reference_model):
-    s = await start_server(bundle=fault_bundle, **HOOKS, fault_delay_after_dequeue_ms=800, max_batch_size=4,
-                           max_wait_ms=2000)
+    # The batch starts when full (the 30 s wait ends then); the short deadline (2 s, room for a busy machine
+    # to send all four first) passes during the 3 s the forward is held.
+    s = await start_server(bundle=fault_bundle, **HOOKS, fault_delay_after_dequeue_ms=3000, max_batch_size=4,
+                           max_wait_ms=30_000)
     seqs = [np.arange(1, 4 + i) for i in range(4)]
-    calls = [s.stub.Encode(ids_request(ids), timeout=0.5 if i == 2 else 30) for i, ids in enumerate(seqs)]
+    calls = [s.stub.Encode(ids_request(ids), timeout=2.0 if i == 2 else 30) for i, ids in enumerate(seqs)]
     outcomes = await gather_outcomes(*calls)
     assert batches(s) == 1 and s.sample("attention_batch_size_sum") == 4
     assert [c for c, _ in outcomes] == [Code.OK, Code.OK, Code.DEADLINE_EXCEEDED, Code.OK]
