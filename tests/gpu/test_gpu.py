@@ -276,7 +276,7 @@ async def _real_oom_child(bundle_dir: str) -> dict[str, object]:
 @pytest.mark.timeout(240)
 def test_a_real_cuda_oom_bisects_the_batch_and_every_call_succeeds(tmp_path):
     save_bundle(Encoder(OOM_CONFIG).init_weights(0), tmp_path / "oom", name="oom", version="1", source="seed:0")
-    code = ("import asyncio, json, sys; from tests.test_gpu import _real_oom_child; "
+    code = ("import asyncio, json, sys; from tests.gpu.test_gpu import _real_oom_child; "
             "print('RESULT ' + json.dumps(asyncio.run(_real_oom_child(sys.argv[1]))))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "oom")], cwd=REPO, capture_output=True,
                           text=True, timeout=200)

@@ -263,7 +263,7 @@ async def test_encode_stream_chunks_one_response_per_request(served: Running, ti
 
 
 async def test_kserve_parameters_choose_what_to_do_with_long_rows(served: Running, tiny_bundle: Path) -> None:
-    from tests.test_kserve import MODEL, inputs, outputs
+    from tests.doors.test_kserve import MODEL, inputs, outputs
 
     ids = np.zeros((2, 160), np.int64)
     ids[0], ids[1, :20] = rng_ids(160, seed=11), rng_ids(20, seed=12)
@@ -352,7 +352,7 @@ async def test_minilm_text_chunks_over_the_whole_tokenized_text(start_server: An
 
 
 async def test_text_chunks_through_grpc_and_kserve_alike(start_server: Any, tiny_text_bundle: Path) -> None:
-    from tests.test_kserve_text import text_input
+    from tests.doors.test_kserve_text import text_input
 
     served = await start_server(bundle=tiny_text_bundle)  # max_tokens 8
     text = "a b c a b c a b c"  # 11 tokens with [CLS] and [SEP]
