@@ -5,7 +5,7 @@
 
 Four phases inside --budget-s (450 s by default: about 8 minutes with start-up), each with its own
 deadline; a phase that fails or runs out of time is recorded, and the next one still runs:
-  tests    `pytest -m gpu tests/test_gpu.py`: fp16/bf16 vs fp32, SDPA backends vs the explicit path, flash on
+  tests    `pytest -m gpu tests/gpu/test_gpu.py`: fp16/bf16 vs fp32, SDPA backends vs the explicit path, flash on
            unpadded batches, NaN recovery and out-of-memory splits through the service on CUDA. (The rest of
            the suite pins device cpu in tests/conftest.py: it means the same here and is not rerun.)
   model    (bench/gpu_model.py) the LARGE preset (d_model 1024, 16 heads, 12 layers, d_ff 4096, vocab 8192,
@@ -39,7 +39,7 @@ start; no rerun does, so a retry is `--quick`, 240 s):
 Elsewhere, online: the dependencies are requirements.txt without torch, and pytest-asyncio, pytest-timeout
 and hypothesis. Nothing is installed by this script; what is missing is named (exit 3). pytest runs with the
 project's plugins only (PYTEST_DISABLE_PLUGIN_AUTOLOAD), whatever else the image holds.
-CPU smoke test (tests/test_gpu_check.py): --device cpu --quick --preset tiny (and the minilm phase on CPU).
+CPU smoke test (tests/bench/test_gpu_check.py): --device cpu --quick --preset tiny (and the minilm phase on CPU).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _counts(run: dict[str, Any]) -> str:
 
 def phase_tests(args: argparse.Namespace, deadline: float, record: dict[str, Any]) -> dict[str, Any]:
     runs = record.setdefault("runs", {})
-    gpu = runs["gpu"] = run_pytest(["-m", "gpu", "tests/test_gpu.py"], min(130.0, deadline - time.monotonic()),
+    gpu = runs["gpu"] = run_pytest(["-m", "gpu", "tests/gpu/test_gpu.py"], min(130.0, deadline - time.monotonic()),
                                    args.out / "pytest_gpu.log", args.device)
     ok = gpu["rc"] == 0 and not gpu["timed_out"] and not gpu["counts"].get("failed") and not gpu["counts"].get("error")
     if args.device == "cuda" and not gpu["counts"].get("passed"):
@@ -173,7 +173,7 @@ def summary_table(results: dict[str, Any], args: argparse.Namespace) -> list[str
         return "n/a" if ok is None else ("PASS" if ok else "FAIL")
 
     if "gpu" in tests.get("runs", {}):
-        rows.append(("CUDA tests (tests/test_gpu.py)", _counts(tests["runs"]["gpu"]), "all pass",
+        rows.append(("CUDA tests (tests/gpu/test_gpu.py)", _counts(tests["runs"]["gpu"]), "all pass",
                      verdict(tests["status"] == "ok")))
     if "matmul_tflops" in model:
         rows.append((f"{args.precision} matmul (F.linear)", f"{model['matmul_tflops']:.4g} TFLOP/s", "", ""))

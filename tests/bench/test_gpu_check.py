@@ -54,7 +54,7 @@ def test_cpu_smoke_run_reports_every_phase(tmp_path: Path) -> None:
     head = lines.index("| check | result | target | verdict |")
     assert all(line.startswith("|") for line in lines[head:-1])
     summary = "\n".join(lines[head:-1])
-    for label in ("CUDA tests (tests/test_gpu.py)", "model T=16", "model T=64", "service T=64, c64, 2 load procs",
+    for label in ("CUDA tests (tests/gpu/test_gpu.py)", "model T=16", "model T=64", "service T=64, c64, 2 load procs",
                   "phases"):
         assert f"| {label} |" in summary, label
     assert "| phases | tests ok" in summary and "model ok" in summary and "service ok" in summary
@@ -153,7 +153,7 @@ def test_the_copy_converts_to_an_fp32_text_bundle(fp16_bundle: Path, minilm_bund
 
 def test_exactness_on_cpu_against_the_references(fp16_bundle: Path, minilm_reference: Reference) -> None:
     """fp16 weights in an fp32 model keep cosine >= 0.99999 (measured 0.9999991 on CPU); fp16 and bf16 compute
-    stay within what tests/test_model_hf.py bounds for the original weights."""
+    stay within what tests/model/test_model_hf.py bounds for the original weights."""
     fp32 = gpu_minilm.exactness(fp16_bundle, "cpu", "fp32", minilm_reference)
     assert fp32["texts"] == len(minilm_reference.texts) >= 20
     for forward in ("single", "batch"):
