@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 from proto.attention.v1.codec import SERVICE_NAME
 from service import server as service_server
 
-READINESS_SWITCH = "import tests.support.replica\ntests.replica.install()"
+READINESS_SWITCH = "import tests.support.replica\ntests.support.replica.install()"
 
 
 def install() -> None:
