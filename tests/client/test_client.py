@@ -344,11 +344,11 @@ def test_importable_without_torch():
     script = (
         "import sys; sys.modules['torch'] = None\n"
         "import client, client.client, client.cli, client.load, client.health\n"
-        "from proto.attention.v1 import codec as wire\n"
+        "from proto.attention.v1 import codec\n"
         "import numpy as np\n"
         "c = client.SyncEncoderClient('127.0.0.1:1'); c.close()\n"
         "client.cli.build_parser().parse_args(['encode', '--ids', '1', '2'])\n"
-        "assert wire.from_tensor(wire.to_tensor(np.arange(3))).tolist() == [0, 1, 2]\n"
+        "assert codec.from_tensor(codec.to_tensor(np.arange(3))).tolist() == [0, 1, 2]\n"
         "assert not any(m == 'model' or m.startswith(('model.', 'service')) for m in sys.modules), 'server code'\n"
         "print('ok')\n"
     )

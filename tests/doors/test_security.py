@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +84,10 @@ async def test_tls_matrix_is_refused_at_the_handshake(start_server, tiny_bundle,
     plaintext = how.pop("plaintext", False)
     channel = grpc.aio.insecure_channel(s.target) if plaintext else secure_channel(s, pki, **how)
     async with channel:
-        started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]), timeout=10)
+    # UNAVAILABLE, not DEADLINE_EXCEEDED: the handshake's refusal ended the call, not its deadline.
     assert info.value.code() == Code.UNAVAILABLE, info.value
-    assert time.monotonic() - started < 5
     assert_clean_status(info.value)
     assert handlers_run(s) == 0 and batches(s) == 0  # no handler ran: refused at the handshake
     async with secure_channel(s, pki) as good:  # and the server serves valid clients on
@@ -137,13 +135,10 @@ BAD_CREDENTIALS = {
 async def test_bad_credentials_get_one_identical_answer_and_no_work(start_server, fault_bundle):
     s = await start_server(bundle=fault_bundle, auth_tokens=TOKENS)
     stub = attention_pb2_grpc.AttentionServiceStub(s.channel)
-    latencies = []
     for _ in range(20):  # 180 refusals
         for metadata in BAD_CREDENTIALS.values():
-            started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.Encode(ids_request([1, 2]), metadata=metadata, timeout=10)
-            latencies.append(time.monotonic() - started)
             assert info.value.code() == Code.UNAUTHENTICATED
             assert info.value.details() == UNAUTHENTICATED.message  # the same whatever was wrong
             assert_clean_status(info.value, secrets=("tok-",))
@@ -152,7 +147,7 @@ async def test_bad_credentials_get_one_identical_answer_and_no_work(start_server
     by_reason = {r: s.sample("attention_auth_failures_total", {"reason": r})
                  for r in ("missing", "invalid", "scheme", "duplicate")}
     assert by_reason == {"missing": 40, "invalid": 60, "scheme": 40, "duplicate": 40}
-    assert sorted(latencies)[int(len(latencies) * 0.99)] < 1.0
+    # No work: refused before any handler ran (above). How fast is a benchmark's question, not this test's.
 
 
 async def test_every_method_but_health_needs_a_token(start_server):

@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +69,7 @@ async def gather_outcomes(*calls: grpc.aio.UnaryUnaryCall) -> list[tuple[grpc.St
 @pytest.mark.usefixtures("fault_state")
 async def test_one_bad_sequence_fails_only_itself_in_a_batch_of_8(
         start_server, fault_bundle, reference_model, sentinel, code, split_reason):
-    s = await start_server(bundle=fault_bundle, max_batch_size=8, max_wait_ms=2000)
+    s = await start_server(bundle=fault_bundle, max_batch_size=8, max_wait_ms=30_000)  # ends full
     seqs = [np.arange(1, 5 + i) for i in range(8)]
     seqs[3] = np.array([7, sentinel, 9, 10])
     outcomes = await gather_outcomes(*(s.stub.Encode(ids_request(ids), timeout=30) for ids in seqs))
@@ -89,7 +88,7 @@ async def test_one_bad_sequence_fails_only_itself_in_a_batch_of_8(
 
 
 async def test_nan_row_in_bf16_is_recovered_in_fp32_for_that_row_only(start_server, fault_bundle, reference_model):
-    s = await start_server(bundle=fault_bundle, precision="bf16", max_batch_size=8, max_wait_ms=2000)
+    s = await start_server(bundle=fault_bundle, precision="bf16", max_batch_size=8, max_wait_ms=30_000)  # ends full
     seqs = [np.arange(1, 5 + i) for i in range(8)]
     seqs[5] = np.array([3, faults.NAN_ROW, 4])
     fp32_forwards = s.sample("attention_compute_duration_seconds_count", {"precision": "fp32"})  # warm-up's
@@ -131,17 +130,19 @@ async def test_full_queue_refuses_at_once_and_health_answers_while_saturated(sta
             assert_clean_status(error)
             retry = error_details_pb2.RetryInfo()
             assert any(d.Unpack(retry) for d in details_of(error)) and retry.retry_delay.ToNanoseconds() > 0
-    started = time.monotonic()  # one more: refused fast, not after a wait
+    # One more: refused, not kept waiting for room. Room comes only when the hung forward ends (at
+    # HANG_RELEASE below, or its own 30 s timeout, after this call's 20 s deadline): a refusal with the
+    # queue still full did not wait for it.
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await s.stub.Encode(ids_request([5]), timeout=30)
-    assert info.value.code() == Code.RESOURCE_EXHAUSTED and time.monotonic() - started < 1.0
+        await s.stub.Encode(ids_request([5]), timeout=20)
+    assert info.value.code() == Code.RESOURCE_EXHAUSTED and s.sample("attention_queue_depth") == 8
 
-    # Health answers on both ports while the model is stuck and the queue full.
+    # Health answers on both ports while the model is stuck and the queue full: within a deadline
+    # shorter than the hang, so an answer that waited for the model fails.
     async with grpc.aio.insecure_channel(f"127.0.0.1:{s.server.health_port}") as probe:
         for channel in (s.channel, probe) * 10:
-            started = time.monotonic()
-            assert await health(channel, timeout=1.0) == SERVING
-            assert time.monotonic() - started < 1.0
+            assert await health(channel, timeout=20) == SERVING
+    assert s.sample("attention_queue_depth") == 8
 
     faults.HANG_RELEASE.set()
     outcomes = await gather_outcomes(hung, *(c for c in calls if c not in refused))
@@ -174,7 +175,6 @@ async def test_cancel_in_each_race_window_is_counted_once_and_answered_at_once(s
     admissions = Admissions(s)
     FP32 = {"precision": "fp32"}
     forwards = s.sample("attention_compute_duration_seconds_count", FP32)  # the warm-up's
-    started = time.monotonic()
     call = s.stub.Encode(ids_request([4, 5, 6]), timeout=30)
     stopping = None
     if window.reached == "queued":
@@ -189,10 +189,12 @@ async def test_cancel_in_each_race_window_is_counted_once_and_answered_at_once(s
         stopping = asyncio.ensure_future(s.server.stop(10))
         await wait_for(lambda: s.server.serving.draining, what="draining")
     call.cancel()
+    # Answered at once: the caller has its answer as cancel() returns, before anything else runs (the
+    # 2 s window is still open), so nobody waited for the window to close.
+    assert call.done()
     with pytest.raises(asyncio.CancelledError):
         await call
     assert await call.code() == Code.CANCELLED
-    assert time.monotonic() - started < 1.0  # half the 2 s delay: nobody waited for the window to close
 
     await wait_for(lambda: s.sample("attention_requests_total", {"method": "Encode", "code": "CANCELLED"}) == 1,
                    what="the server to count the cancellation")
@@ -207,10 +209,12 @@ async def test_cancel_in_each_race_window_is_counted_once_and_answered_at_once(s
 
 
 async def test_deadline_during_execution_fails_only_that_call(start_server, fault_bundle, reference_model):
-    s = await start_server(bundle=fault_bundle, **HOOKS, fault_delay_after_dequeue_ms=800, max_batch_size=4,
-                           max_wait_ms=2000)
+    # The batch starts when full (the 30 s wait ends then); the short deadline (2 s, room for a busy machine
+    # to send all four first) passes during the 3 s the forward is held.
+    s = await start_server(bundle=fault_bundle, **HOOKS, fault_delay_after_dequeue_ms=3000, max_batch_size=4,
+                           max_wait_ms=30_000)
     seqs = [np.arange(1, 4 + i) for i in range(4)]
-    calls = [s.stub.Encode(ids_request(ids), timeout=0.5 if i == 2 else 30) for i, ids in enumerate(seqs)]
+    calls = [s.stub.Encode(ids_request(ids), timeout=2.0 if i == 2 else 30) for i, ids in enumerate(seqs)]
     outcomes = await gather_outcomes(*calls)
     assert batches(s) == 1 and s.sample("attention_batch_size_sum") == 4
     assert [c for c, _ in outcomes] == [Code.OK, Code.OK, Code.DEADLINE_EXCEEDED, Code.OK]

@@ -225,7 +225,8 @@ async def test_per_item_errors_fail_only_that_item(model_and_batcher):
 
 
 async def test_max_wait_holds_a_batch_open_to_grow_it(model_and_batcher):
-    model, batcher = model_and_batcher(max_wait_ms=300)
+    # A wait far longer than a busy machine's stall, ended by an event: the second item fills the batch.
+    model, batcher = model_and_batcher(max_wait_ms=30_000, max_batch_size=2)
     a = batcher.submit([req(1)], far())[0]
     await asyncio.sleep(0.05)
     assert not a.future.done()
@@ -377,8 +378,8 @@ async def test_the_batcher_runs_on_the_threads_it_is_handed_and_leaves_them_when
 
 async def test_a_batch_held_open_by_max_wait_runs_whole_whatever_the_ages(model_and_batcher):
     # A late, longer item weighs little next to one that waited (service/batching/choice.py); held open for it,
-    # the batch still takes both.
-    model, batcher = model_and_batcher(max_wait_ms=300)
+    # the batch still takes both. (It fills at two: the 30 s wait ends at once then, not by the clock.)
+    model, batcher = model_and_batcher(max_wait_ms=30_000, max_batch_size=2)
     a = batcher.submit([req(1, length=4)], far())[0]
     await asyncio.sleep(0.05)
     b = batcher.submit([req(2, length=12)], far())[0]

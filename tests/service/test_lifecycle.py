@@ -51,7 +51,9 @@ async def test_sigterm_drains_in_flight_calls_and_exits_zero(fault_bundle: Path,
                     await asyncio.sleep(0.02)
 
             assert await asyncio.wait_for(refused(), 10) == grpc.StatusCode.UNAVAILABLE
-        assert server.proc.wait(timeout=10) == 0
+        # A cap for a hang only: how long the drain took is the service's own account (its log; the
+        # shutdown tests in tests/reliability check it), and exiting a torch process on a busy machine is slow.
+        assert server.proc.wait(timeout=30) == 0
     finally:
         server.kill()
 

@@ -237,7 +237,7 @@ async def test_model_failure_invalid_input_and_overload_keep_their_codes(edged: 
             await stub.Encode(ids_request([1, 1000]), timeout=30)
         assert invalid.value.code() == Code.INVALID_ARGUMENT
 
-        held = await hold(stub, edged, 10)
+        held = await hold(stub, edged, 25)  # 5 s: room for a busy machine to queue two calls behind it
         queued = [stub.Encode(ids_request(np.arange(1, 65)), timeout=30) for _ in range(2)]
         await wait_for(lambda: edged.sample("attention_queue_depth") == 2, 20, "two queued calls")
         with pytest.raises(grpc.aio.AioRpcError) as refused:  # max_queue_tokens 150: 128 queued, 64 more
@@ -254,7 +254,7 @@ async def test_a_cancelled_call_is_dropped_in_the_model_process(edged: ServerPro
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
         before = edged.sample("attention_dropped_total", {"reason": "cancelled"})
-        held = await hold(stub, edged, 10)
+        held = await hold(stub, edged, 25)  # 5 s, as above
         gone = stub.Encode(ids_request([5, 6]), timeout=30)
         await wait_for(lambda: edged.sample("attention_queue_depth") == 1, 20, "the queued call")
         gone.cancel()
@@ -268,7 +268,9 @@ async def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(edged: S
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
         before = edged.sample("attention_dropped_total", {"reason": "deadline"})
-        held = await hold(stub, edged, 10)
+        # 5 s of model time for a 0.3 s deadline: the late call must reach the queue while the forward
+        # runs, which a busy machine's stall (the forward seen by a /metrics scrape) must not outlast.
+        held = await hold(stub, edged, 25)
         with pytest.raises(grpc.aio.AioRpcError) as late:
             await stub.Encode(ids_request([7, 8]), timeout=0.3)
         assert late.value.code() == Code.DEADLINE_EXCEEDED

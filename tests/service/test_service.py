@@ -17,6 +17,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import SERVICE_NAME, from_tensor, to_tensor
 from tests.support import helpers
 from tests.support.helpers import Running, details_of, health, ids_request, violated_field, wait_for
+from tests.support.reliability_helpers import fault_state  # noqa: F401  (a fixture, used by name)
 
 
 async def test_outputs_equal_direct_model_calls_for_many_concurrent_callers(served: Running, reference_model):
@@ -141,13 +142,17 @@ async def test_full_queue_is_resource_exhausted_at_once_with_retry_advice(start_
     assert len(ok.outputs) == 2
 
 
+@pytest.mark.usefixtures("fault_state")
 async def test_expired_deadline_is_never_computed(start_server, fault_bundle):
     s = await start_server(bundle=fault_bundle)
-    holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.SLEEP]), timeout=30))
+    # The holder hangs until released (not a 200 ms sleep that a busy machine can outlast), so the
+    # model is busy for as long as the short call's deadline takes to pass.
+    holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.HANG]), timeout=30))
     await wait_for(lambda: s.sample("attention_batch_size_count") == 1, 10, "the holder's batch to start")
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await s.stub.Encode(ids_request([5, 6, 7]), timeout=0.05)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    faults.HANG_RELEASE.set()
     await holder
     await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
         "attention_dropped_total", {"reason": "deadline"}) == 1, 10, "the expired call to be dropped")
@@ -157,15 +162,19 @@ async def test_expired_deadline_is_never_computed(start_server, fault_bundle):
     assert s.sample("attention_requests_total", {"method": "Encode", "code": "DEADLINE_EXCEEDED"}) == 1
 
 
+@pytest.mark.usefixtures("fault_state")
 async def test_cancelled_call_is_dropped_before_compute(start_server, fault_bundle):
     s = await start_server(bundle=fault_bundle)
-    holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.SLEEP]), timeout=30))
+    holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.HANG]), timeout=30))  # until released
     await wait_for(lambda: s.sample("attention_batch_size_count") == 1, 10, "the holder's batch to start")
     call = s.stub.Encode(ids_request([5, 6, 7]), timeout=30)
     await wait_for(lambda: s.sample("attention_queue_depth") == 1, 10, "the call to be queued")
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+    await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) == 1, 10,
+                   "the cancelled call to be dropped")
+    faults.HANG_RELEASE.set()
     await holder
     await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) == 1, 10,
                    "the cancelled call to be dropped")

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from proto.attention.v1.codec import SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 LEDGER_LINE = "stopped; ledger "
+DRAIN_LINE = ": draining for up to "  # service/server.py drain_on_signal, in both modes
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"  # logging's asctime, which service/__main__.py's format starts with
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -105,6 +108,20 @@ class ServerProcess:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def logged_at(self, text: str) -> float:
+        """When the service logged its first line holding `text`, by its own clock (the line's asctime), in
+        seconds since the epoch. Durations between two of its lines are the service's own account of them,
+        which a busy machine's scheduling of this test process does not lengthen."""
+        for line in self.output().splitlines():
+            if text in line:
+                return datetime.strptime(line[:23], LOG_TIME).timestamp()
+        raise AssertionError(f"{text!r} not in the server log:\n{self.output()[-3000:]}")
+
+    def drained_in(self, since: str = DRAIN_LINE) -> float:
+        """Seconds from the service's log line holding `since` (default: the first signal's "draining")
+        to its exit ledger line, as the service's log timestamps tell it."""
+        return self.logged_at(LEDGER_LINE) - self.logged_at(since)
 
     def exit_ledger(self) -> dict[str, Any]:
         """The call ledger the server logs as it exits (service/server.py `ledger`)."""
