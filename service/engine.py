@@ -23,7 +23,7 @@ from service.fault_hooks import FaultHooks
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.runner import Runner
-from service.tuning import BATCH_GAIN, BatchChoice, batch_reason, choose_batch_tokens
+from service.tuning import BatchChoice, batch_reason, choose_batch_tokens
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Engine:
         curve: dict[int, float] = {}
         if config.warmup and not config.max_batch_tokens:
             sizes = measured_batch_tokens(config.device)
-            curve = await threads.call(lambda: runner.measure_batches(sizes, config.max_batch_size, BATCH_GAIN))
+            curve = await threads.call(lambda: runner.measure_batches(sizes, config.max_batch_size))
         budget = batch_budget(config, curve, min(128, spec.max_length), runner.narrow_threads)
         limits = batch_limits(config, spec, budget)
         log.info("max_batch_tokens %d: %s", limits.max_batch_tokens, budget.reason)

@@ -159,12 +159,10 @@ class Runner:
             choice = PrecisionChoice(choice.precision, f"{choice.reason}; {'; '.join(notes)}", choice.forward_ms)
         return loaded[choice.precision], loaded["fp32"].module, choice
 
-    def measure_batches(self, sizes: Sequence[int], max_batch_size: int, gain: float,
-                        budget_s: float = 4.0) -> dict[int, float]:
+    def measure_batches(self, sizes: Sequence[int], max_batch_size: int, budget_s: float = 4.0) -> dict[int, float]:
         """Tokens/s of a pooled forward at each budget in `sizes` (rows of min(128, max_length) tokens),
         on the width a batch gets under load (one worker's share of the threads). Ascending; it stops
-        once doubling gains less than `gain` (the curve has flattened: larger batches cannot be chosen),
-        once `budget_s` is spent, or after a forward longer than a quarter of it. Each shape: one call to
+        once `budget_s` is spent or after a forward longer than a quarter of it. Each shape: one call to
         let TorchScript specialise, then the faster of two."""
         spec = self._require_spec()
         self.set_wide(False)
@@ -181,9 +179,7 @@ class Runner:
                     runs.append(time.perf_counter() - t0)
                 tokens = rows * seq
                 curve[tokens] = tokens / min(runs[1:])
-                previous = [rate for size, rate in curve.items() if size < tokens]
-                elapsed = time.perf_counter() - started
-                if (previous and curve[tokens] < gain * previous[-1]) or elapsed > budget_s or runs[-1] > budget_s / 4:
+                if time.perf_counter() - started > budget_s or runs[-1] > budget_s / 4:
                     break
         finally:
             self.set_wide(True)

@@ -39,7 +39,7 @@ PRECISION_BOUNDS: dict[str, Bound] = {
     "fp16": Bound(min_cosine=0.99999, max_hidden_error=RELATIVE_ERROR_BOUND["float16"]),
 }
 MIN_SPEEDUP = 1.1  # a reduced precision must beat fp32 by this factor to be served
-BATCH_GAIN = 1.1  # a doubled batch must raise throughput by this factor to be worth its latency
+BATCH_GAIN = 1.1  # a larger batch must raise throughput by this factor to be worth its latency
 
 
 @dataclass(frozen=True)
@@ -124,19 +124,17 @@ def choose_precision(seconds: Mapping[str, float], agreements: Mapping[str, Agre
 
 
 def choose_batch_tokens(curve: Mapping[int, float], gain: float = BATCH_GAIN) -> int:
-    """The smallest measured budget after which doubling the batch no longer raises throughput by `gain`:
-    curve maps batch tokens (ascending when sorted) to tokens/s."""
-    sizes = sorted(curve)
-    for small, large in zip(sizes, sizes[1:], strict=False):
-        if curve[large] < gain * curve[small]:
-            return small
-    return sizes[-1]
+    """The smallest measured budget whose throughput is within `gain` of the best measured: past it, a
+    larger batch buys less than that factor for its extra latency. curve maps batch tokens to tokens/s.
+    Against the best, not the next size: one point slowed by the machine's other work does not stop it."""
+    best = max(curve.values())
+    return min(tokens for tokens, rate in curve.items() if rate * gain >= best)
 
 
 def batch_reason(curve: Mapping[int, float], chosen: int, seq_len: int, threads: int) -> str:
     points = ", ".join(f"{tokens}: {rate:.0f}" for tokens, rate in sorted(curve.items()))
     return (f"measured at warm-up, rows of {seq_len} tokens on {threads} thread(s), tokens/s by batch tokens "
-            f"({points}): {chosen} is where doubling stops gaining {BATCH_GAIN}x")
+            f"({points}): {chosen} is the smallest within {BATCH_GAIN}x of the best")
 
 
 def batch_shapes(max_length: int, max_batch_size: int, sizes: Sequence[int]) -> list[tuple[int, int]]:

@@ -113,9 +113,10 @@ def test_a_configured_precision_wins_and_is_not_measured(tiny_bundle: Path):
     assert off.precision == "fp32" and off.precision_reason.startswith("not measured")
 
 
-def test_the_budget_is_where_doubling_stops_gaining():
-    assert choose_batch_tokens({256: 100.0, 512: 180.0, 1024: 190.0, 2048: 400.0}) == 512  # the first flat step
+def test_the_budget_is_the_smallest_within_the_gain_of_the_best():
+    assert choose_batch_tokens({256: 100.0, 512: 180.0, 1024: 190.0, 2048: 195.0}) == 512  # flat after 512
     assert choose_batch_tokens({256: 100.0, 512: 200.0, 1024: 400.0}) == 1024  # still growing: the largest
+    assert choose_batch_tokens({256: 100.0, 512: 50.0, 1024: 300.0, 2048: 310.0}) == 1024  # a slowed point
     assert choose_batch_tokens({256: 100.0, 512: 90.0}) == 256
 
 
