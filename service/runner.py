@@ -160,7 +160,7 @@ class Runner:
         return loaded[choice.precision], loaded["fp32"].module, choice
 
     def measure_batches(self, sizes: Sequence[int], max_batch_size: int, budget_s: float = 4.0) -> dict[int, float]:
-        """Tokens/s of a pooled forward at each budget in `sizes` (rows of min(128, max_length) tokens),
+        """Tokens/s of a pooled forward at each budget in `sizes` (shapes: service/tuning.py batch_shapes),
         on the width a batch gets under load (one worker's share of the threads). Ascending; it stops
         once `budget_s` is spent or after a forward longer than a quarter of it. Each shape: one call to
         let TorchScript specialise, then the faster of two."""

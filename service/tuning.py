@@ -133,17 +133,19 @@ def choose_batch_tokens(curve: Mapping[int, float], gain: float = BATCH_GAIN) ->
 
 def batch_reason(curve: Mapping[int, float], chosen: int, seq_len: int, threads: int) -> str:
     points = ", ".join(f"{tokens}: {rate:.0f}" for tokens, rate in sorted(curve.items()))
-    return (f"measured at warm-up, rows of {seq_len} tokens on {threads} thread(s), tokens/s by batch tokens "
+    return (f"measured at warm-up, rows of {seq_len}+ tokens on {threads} thread(s), tokens/s by batch tokens "
             f"({points}): {chosen} is the smallest within {BATCH_GAIN}x of the best")
 
 
 def batch_shapes(max_length: int, max_batch_size: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """(rows, row length) per budget in `sizes`: rows of min(128, max_length) tokens, at least one row,
-    at most max_batch_size; budgets that repeat a shape are dropped."""
+    """(rows, row length) per budget in `sizes`: rows of min(128, max_length) tokens, longer rows where
+    max_batch_size rows of those would not reach the budget (up to max_length); budgets that repeat a
+    shape are dropped."""
     seq = min(128, max_length)
     shapes: list[tuple[int, int]] = []
     for tokens in sizes:
         rows = max(1, min(max_batch_size, tokens // seq))
-        if (rows, seq) not in shapes:
-            shapes.append((rows, seq))
+        shape = (rows, max(seq, min(max_length, tokens // rows)))
+        if shape not in shapes:
+            shapes.append(shape)
     return shapes

@@ -26,6 +26,7 @@ from service.tuning import (
     Agreement,
     Bound,
     agreement,
+    batch_shapes,
     choose_batch_tokens,
     choose_precision,
     fastest_times,
@@ -118,6 +119,11 @@ def test_the_budget_is_the_smallest_within_the_gain_of_the_best():
     assert choose_batch_tokens({256: 100.0, 512: 200.0, 1024: 400.0}) == 1024  # still growing: the largest
     assert choose_batch_tokens({256: 100.0, 512: 50.0, 1024: 300.0, 2048: 310.0}) == 1024  # a slowed point
     assert choose_batch_tokens({256: 100.0, 512: 90.0}) == 256
+
+
+def test_the_measured_shapes_reach_each_budget_within_the_batch_size_and_the_model():
+    assert batch_shapes(512, 64, [256, 1024, 16384, 65536]) == [(2, 128), (8, 128), (64, 256), (64, 512)]
+    assert batch_shapes(64, 64, [128, 256, 8192]) == [(2, 64), (4, 64), (64, 64)]  # tiny: the longest rows
 
 
 def test_a_configured_budget_wins_and_one_sequence_always_fits():
