@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: float = 300) -> ServerProcess:
-    return ServerProcess(model, "--metrics-port", "-1", "--log-level", "warning", *flags, timeout=timeout,
+    return ServerProcess(model, "--metrics-port", "-1", "--log-level", "warning", *flags, timeout=timeout, pinned=False,
                          prelude=prelude or "pass", source=source)
 
 

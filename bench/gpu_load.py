@@ -96,7 +96,7 @@ def phase_service(args: argparse.Namespace, deadline: float, record: dict[str, A
     record["server_flags"] = flags
     runs: list[dict[str, Any]] = record.setdefault("runs", [])
     started = time.monotonic()
-    server = ServerProcess(bundle, *flags, "--log-level", "warning", directory=args.out,
+    server = ServerProcess(bundle, *flags, "--log-level", "warning", pinned=False, directory=args.out,
                            timeout=min(240.0, deadline - started - 10))
     print(f"  server {server.target} ready in {time.monotonic() - started:.0f} s", flush=True)
     P = args.loadgen_procs
@@ -117,7 +117,8 @@ def phase_service(args: argparse.Namespace, deadline: float, record: dict[str, A
         server.stop()
     if args.edge_processes and time.monotonic() + 60 < deadline:
         server = ServerProcess(bundle, *flags, "--edge-processes", str(args.edge_processes), "--log-level",
-                               "warning", directory=args.out / "edges", timeout=min(240.0, deadline - time.monotonic()))
+                               "warning", pinned=False, directory=args.out / "edges",
+                               timeout=min(240.0, deadline - time.monotonic()))
         try:
             for c in (64, 256):
                 runs.append(_measure(server, model, args, deadline, lengths[0], c, P, "pooled",

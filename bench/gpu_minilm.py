@@ -184,7 +184,7 @@ def phase_minilm(args: argparse.Namespace, deadline: float, record: dict[str, An
                  "--max-batch-tokens", str(budget)]
         record["server_flags"] = flags
         before = max(ceiling.run(budget, MAX_BATCH_SIZE) for _ in range(2))
-        server = ServerProcess(bundle, *flags, "--log-level", "warning", directory=args.out / "minilm",
+        server = ServerProcess(bundle, *flags, "--log-level", "warning", pinned=False, directory=args.out / "minilm",
                                timeout=max(10.0, min(120.0, deadline - time.monotonic() - 10)))
         runs: list[dict[str, Any]] = record.setdefault("runs", [])
         P = args.loadgen_procs

@@ -52,15 +52,19 @@ class ServiceConfig:
     cache_dir: str = _opt("", "where the built-in default bundle and converted Hugging Face folders are built "
                           "(default ~/.cache/attention-service)")
     device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
-    precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda, fp32 on cpu)")
+    precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda; on cpu the fastest at warm-up "
+                                  "that agrees with fp32, docs/performance.md)")
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
     torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = one per core)")
     model_workers: int = _opt(0, "CPU batches computed side by side, each with an equal share of torch_threads; "
                                  "a batch that runs alone gets them all (0 = 2 on cpu, 1 on cuda)")
+    small_batch_work: int = _opt(16384, "a CPU batch below this much work (batch tokens x d_model x layers) runs on "
+                                        "one intra-op thread, however many it may use (0 = never)")
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
     # Batching
-    max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length "
-                                    "(0 = by device: 1024 on cpu, 16384 on cuda, at least the model's max_length)")
+    max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length (0 = where "
+                                    "throughput stops growing at warm-up; without warm-up 1024 on cpu, 16384 on "
+                                    "cuda; at least the model's max_length)")
     max_batch_size: int = _opt(64, "most sequences in one batch")
     max_wait_ms: float = _opt(0.0, "hold a not-full batch open up to this long to grow it (0 = never wait)")
     max_age_ms: float = _opt(500.0, "a sequence queued this long is batched next, whatever its length")
@@ -147,6 +151,7 @@ class ServiceConfig:
         _check("torch_threads", self.torch_threads, 0, None)
         _check("edge_processes", self.edge_processes, 0, 64)
         _check("model_workers", self.model_workers, 0, None)
+        _check("small_batch_work", self.small_batch_work, 0, None)
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)
         _check("default_timeout_s", self.default_timeout_s, 1e-3, None)

@@ -21,10 +21,15 @@ def is_cuda(device: str) -> bool:
 
 
 def default_batch_tokens(device: str) -> int:
-    """The token budget when the config says 0. On this project's CPU, batches of 1024 tokens
-    ran as fast per token as 2048 on two threads and faster on one, which each of two workers has
-    (bench/RESULTS.md); a GPU wants more."""
+    """The token budget when the config says 0 and warm-up is off (with warm-up it is measured,
+    service/tuning.py). On this project's CPU, batches of 1024 tokens ran as fast per token as 2048
+    on two threads and faster on one, which each of two workers has (bench/RESULTS.md); a GPU wants more."""
     return 16384 if is_cuda(device) else 1024
+
+
+def measured_batch_tokens(device: str) -> tuple[int, ...]:
+    """The budgets warm-up times when the config says 0 (service/tuning.py chooses among them)."""
+    return (2048, 4096, 8192, 16384, 32768) if is_cuda(device) else (128, 256, 512, 1024, 2048, 4096)
 
 
 def default_workers(device: str, threads: int) -> int:

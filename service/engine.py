@@ -11,6 +11,7 @@ threads stop), written here once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from model.bundle import MANIFEST_FILE
@@ -18,11 +19,12 @@ from model.default import default_bundle_dir, ensure_default_bundle
 from model.hf_folder import prepare_model
 from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
-from service.device import default_batch_tokens, default_threads, default_workers, is_cuda
+from service.device import default_batch_tokens, default_threads, default_workers, is_cuda, measured_batch_tokens
 from service.fault_hooks import FaultHooks
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.runner import Runner
+from service.tuning import BatchChoice, batch_reason, choose_batch_tokens
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +37,20 @@ def model_workers(config: ServiceConfig) -> int:
     return workers
 
 
-def batch_limits(config: ServiceConfig, spec: ModelSpec) -> BatchLimits:
-    """The batcher's limits, from the config and the loaded model: computed once, before it starts."""
-    tokens = config.max_batch_tokens or default_batch_tokens(config.device)
+def batch_budget(config: ServiceConfig, curve: dict[int, float], seq_len: int, threads: int) -> BatchChoice:
+    """max_batch_tokens: configured, else chosen from the warm-up curve, else the device's default."""
+    if config.max_batch_tokens:
+        return BatchChoice(config.max_batch_tokens, "configured", {})
+    if not curve:
+        return BatchChoice(default_batch_tokens(config.device), "device default (not measured: warm-up is off)", {})
+    chosen = choose_batch_tokens(curve)
+    return BatchChoice(chosen, batch_reason(curve, chosen, seq_len, threads), dict(curve))
+
+
+def batch_limits(config: ServiceConfig, spec: ModelSpec, budget: BatchChoice | None = None) -> BatchLimits:
+    """The batcher's limits, from the config, the loaded model and the budget (`batch_budget`): computed
+    once, before it starts."""
+    tokens = (budget or batch_budget(config, {}, 0, 0)).max_batch_tokens
     if spec.max_length > tokens:
         if config.max_batch_tokens:
             raise ValueError(f"max_batch_tokens ({tokens}) is below the model's max_length ({spec.max_length}): "
@@ -48,6 +61,11 @@ def batch_limits(config: ServiceConfig, spec: ModelSpec) -> BatchLimits:
         max_age_ms=config.max_age_ms, max_queue_tokens=config.max_queue_tokens,
         max_queue_requests=config.max_queue_requests,
     )
+
+
+def _source(reason: str) -> str:
+    """A choice's reason as a metric label: configured | measured | default."""
+    return "configured" if reason == "configured" else "measured" if reason.startswith("measured") else "default"
 
 
 class Engine:
@@ -82,7 +100,15 @@ class Engine:
             bundle_dir = await self._default_bundle()
         runner = Runner(config, bundle_dir, metrics, len(threads))
         spec = await threads.call(runner.load)
-        limits = batch_limits(config, spec)
+        curve: dict[int, float] = {}
+        if config.warmup and not config.max_batch_tokens:
+            sizes = measured_batch_tokens(config.device)
+            curve = await threads.call(lambda: runner.measure_batches(sizes, config.max_batch_size))
+        budget = batch_budget(config, curve, min(128, spec.max_length), runner.narrow_threads)
+        limits = batch_limits(config, spec, budget)
+        log.info("max_batch_tokens %d: %s", limits.max_batch_tokens, budget.reason)
+        spec = dataclasses.replace(spec, max_batch_tokens=limits.max_batch_tokens, batch_reason=budget.reason,
+                                   batch_curve=budget.curve)
         if config.warmup:
             await threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
         if len(config.entropy_baselines) not in (0, 1, spec.n_layers):
@@ -95,7 +121,9 @@ class Engine:
                                         make_queue=self.hooks.queue(),
                                         after_batch=runner.after_batch if runner.diagnostics else None)
         batcher.start()
-        metrics.model_info.labels(spec.name, spec.version, spec.device, spec.precision).set(1)
+        metrics.on_choices((spec.name, spec.version, spec.device), spec.precision, _source(spec.precision_reason),
+                           spec.precision_forward_ms, spec.max_batch_tokens, _source(spec.batch_reason),
+                           spec.batch_curve)
         self.batcher, self.spec = batcher, spec
         return batcher, spec
 

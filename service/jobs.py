@@ -4,7 +4,7 @@ servicer and validation depend on these, not on the runner or torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,3 +67,8 @@ class ModelSpec:
     attention_scale: float = 0.0  # the scale the scores are multiplied by
     standard_scale: bool = True  # ... 1/sqrt(d_head); False: the manifest asked for another
     relative_bias: str = "none"
+    precision_reason: str = ""  # why this precision: configured, a device default, or measured (service/tuning.py)
+    precision_forward_ms: dict[str, float] = field(default_factory=dict)  # measured at warm-up, per precision
+    max_batch_tokens: int = 0  # the batch budget in force (service/engine.py batch_budget); 0: not yet chosen
+    batch_reason: str = ""  # configured, a device default, or the measured curve and the choice
+    batch_curve: dict[int, float] = field(default_factory=dict)  # warm-up: batch tokens -> tokens/s

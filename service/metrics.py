@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,8 +158,17 @@ class Metrics:
         self.ready = Gauge("attention_ready", "1 when the model is warm and the service SERVING", registry=r,
                            multiprocess_mode="livemin")
         self.model_info = Gauge(
-            "attention_model_info", "The model served (value 1)", ["name", "version", "device", "precision"],
-            registry=r, multiprocess_mode="max")
+            "attention_model_info", "The model served (value 1); precision_source: configured, default or measured",
+            ["name", "version", "device", "precision", "precision_source"], registry=r, multiprocess_mode="max")
+        self.warmup_forward = Gauge(
+            "attention_warmup_forward_seconds", "precision=auto: the warm-up batch's forward per precision",
+            ["precision"], registry=r, multiprocess_mode="max")
+        self.batch_tokens_limit = Gauge(
+            "attention_batch_tokens_limit", "max_batch_tokens in force; source: configured, default or measured",
+            ["source"], registry=r, multiprocess_mode="max")
+        self.warmup_throughput = Gauge(
+            "attention_warmup_tokens_per_second", "The warm-up's measured throughput by batch tokens",
+            ["batch_tokens"], registry=r, multiprocess_mode="max")
         self.requests = Counter(
             "attention_requests_total", "Calls by method and gRPC code", ["method", "code"], registry=r)
         # Children looked up once: `labels()` takes a lock and builds a key on every call (issue 22).
@@ -285,6 +294,17 @@ class Metrics:
         self.batch_splits.labels(reason).inc()
 
     # -- attention health --------------------------------------------------------------------------
+
+    def on_choices(self, model: Sequence[str], precision: str, precision_source: str,
+                   forward_ms: Mapping[str, float], batch_tokens: int, batch_source: str,
+                   curve: Mapping[int, float]) -> None:
+        """Once warm: the model (name, version, device), its precision and budget, and what was measured."""
+        self.model_info.labels(*model, precision, precision_source).set(1)
+        for name, ms in forward_ms.items():
+            self.warmup_forward.labels(name).set(ms / 1e3)
+        self.batch_tokens_limit.labels(batch_source).set(batch_tokens)
+        for tokens, rate in curve.items():
+            self.warmup_throughput.labels(str(tokens)).set(rate)
 
     def on_model(self, n_layers: int, diagnostics: bool, baselines: Sequence[float]) -> None:
         """Once the model is loaded: every layer's series at 0 (alerts watch them), and the baselines."""

@@ -36,11 +36,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from model.bundle import has_diagnostics, load_bundle
+from model.bundle import LoadedBundle, has_diagnostics, load_bundle
 from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
 from service.jobs import POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
+from service.tuning import PrecisionChoice, agreement, batch_shapes, choose_precision, fastest_times
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,21 @@ class Runner:
         self.diagnostics = False  # set by load(): sampling on and the bundle has the entry point
         self._sample_credit = 0.0  # + diagnostics_sample per batch; a batch is sampled when it reaches 1
         self._sample_lock = threading.Lock()  # after_batch runs on every model worker
+        self._width = threading.local()  # .threads: what set_wide last asked for on this model thread
 
     def load(self) -> ModelSpec:
         if self.device.type == "cpu":
             torch.set_num_threads(self._threads)
-        bundle = load_bundle(self._bundle_dir, device=str(self.device), dtype=DTYPES[self.precision])
+        if self._config.precision == "auto" and self.device.type == "cpu" and self._config.warmup:
+            bundle, fp32, choice = self._measure_precision()
+        else:
+            bundle, fp32 = load_bundle(self._bundle_dir, device=str(self.device), dtype=DTYPES[self.precision]), None
+            choice = PrecisionChoice(self.precision, _unmeasured_reason(self._config, self.device), {})
+        log.info("precision %s: %s", choice.precision, choice.reason)
+        self.precision = choice.precision
         self._module = bundle.module
         if self.precision != "fp32" and self._config.nonfinite_policy == "retry":
-            self._fp32_module = load_bundle(self._bundle_dir, device=str(self.device)).module
+            self._fp32_module = fp32 or load_bundle(self._bundle_dir, device=str(self.device)).module
         m, cfg = bundle.manifest, bundle.manifest.config
         self.spec = ModelSpec(
             name=m.name, version=m.version, checksum=m.sha256,
@@ -94,6 +102,7 @@ class Runner:
             max_length=cfg.max_length, positional=cfg.positional,
             precision=self.precision, device=str(self.device), tokenizer=bundle.tokenizer,
             attention_scale=cfg.scale, standard_scale=cfg.attention_scale is None, relative_bias=cfg.relative_bias,
+            precision_reason=choice.reason, precision_forward_ms=choice.forward_ms,
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)
@@ -102,6 +111,79 @@ class Runner:
                             "before it, or a wrapper exporting only forward); re-export it to enable it",
                             self._bundle_dir)
         return self.spec
+
+    def _measure_precision(self, candidates: Sequence[str] = ("bf16", "fp16")) -> tuple[LoadedBundle, Any,
+                                                                                          PrecisionChoice]:
+        """precision=auto on CPU: load the bundle in fp32 and each candidate, run all on one probe batch,
+        compare each candidate's output with fp32's, time them interleaved and choose (service/tuning.py).
+        Returns (the chosen bundle, the fp32 module, the choice). Bounded: a few forwards of 512 tokens
+        each; a candidate more than twice as slow as fp32 is not timed further."""
+        device = str(self.device)
+        loaded = {"fp32": load_bundle(self._bundle_dir, device=device)}
+        ids, lengths = _probe_batch(loaded["fp32"].manifest.config)
+        shape = f"{ids.shape[0]}x{ids.shape[1]} tokens, {torch.get_num_threads()} thread(s)"
+
+        def run(module: Any) -> torch.Tensor:
+            with torch.inference_mode():
+                hidden: torch.Tensor = module(ids, None, lengths, False, [])[0]
+            return hidden
+
+        def twice(module: Any) -> tuple[torch.Tensor, float]:
+            """TorchScript profiles and optimises on the first calls: the second one's output and time."""
+            run(module)
+            started = time.perf_counter()
+            return run(module), time.perf_counter() - started
+
+        try:
+            want, warm_fp32 = twice(loaded["fp32"].module)
+            notes: list[str] = []
+            agreements, slow = {}, {}
+            for name in candidates:
+                try:
+                    loaded[name] = load_bundle(self._bundle_dir, device=device, dtype=DTYPES[name])
+                    got, warm = twice(loaded[name].module)
+                except RuntimeError as exc:  # kernels missing for this dtype on this CPU
+                    loaded.pop(name, None)
+                    notes.append(f"{name} cannot run here ({str(exc).splitlines()[0][:80]})")
+                    continue
+                agreements[name] = agreement(got, want, lengths)
+                if warm > 2 * warm_fp32:  # cannot win: not worth the rounds (fp16 on most CPUs)
+                    slow[name] = warm
+            timed = {name: functools.partial(run, b.module) for name, b in loaded.items() if name not in slow}
+            seconds = {**fastest_times(timed), **slow}
+        except Exception as exc:  # noqa: BLE001 - a failed measurement serves fp32, it does not stop the start
+            log.warning("precision measurement failed; serving fp32", exc_info=True)
+            return loaded["fp32"], None, PrecisionChoice("fp32", f"measurement failed ({exc}); fp32", {})
+        choice = choose_precision(seconds, agreements, shape)
+        if notes:
+            choice = PrecisionChoice(choice.precision, f"{choice.reason}; {'; '.join(notes)}", choice.forward_ms)
+        return loaded[choice.precision], loaded["fp32"].module, choice
+
+    def measure_batches(self, sizes: Sequence[int], max_batch_size: int, budget_s: float = 4.0) -> dict[int, float]:
+        """Tokens/s of a pooled forward at each budget in `sizes` (shapes: service/tuning.py batch_shapes),
+        on the width a batch gets under load (one worker's share of the threads). Ascending; it stops
+        once `budget_s` is spent or after a forward longer than a quarter of it. Each shape: one call to
+        let TorchScript specialise, then the faster of two."""
+        spec = self._require_spec()
+        self.set_wide(False)
+        curve: dict[int, float] = {}
+        started = time.perf_counter()
+        try:
+            for rows, seq in batch_shapes(spec.max_length, max_batch_size, sizes):
+                ids = np.random.default_rng(rows).integers(0, max(1, spec.vocab_size - spec.vocab_size // 10), seq)
+                jobs = [Job(ids, None, pooling=POOL_MEAN)] * rows
+                runs = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    _warm(self.execute(jobs))
+                    runs.append(time.perf_counter() - t0)
+                tokens = rows * seq
+                curve[tokens] = tokens / min(runs[1:])
+                if time.perf_counter() - started > budget_s or runs[-1] > budget_s / 4:
+                    break
+        finally:
+            self.set_wide(True)
+        return curve
 
     def warmup(self, max_batch_tokens: int, max_batch_size: int) -> None:
         """Forwards at the largest batch shape the limits allow, plus the attention path."""
@@ -131,9 +213,23 @@ class Runner:
     def set_wide(self, wide: bool) -> None:
         """On the thread about to run a batch: all the intra-op threads (it runs alone) or one worker's
         share. OpenMP keeps the setting per thread, so each model thread sets its own."""
-        threads = self._threads if wide else self._narrow_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        self._width.threads = self._threads if wide else self._narrow_threads
+        _set_threads(self._width.threads)
+
+    def _fit_threads(self, jobs: Sequence[Job]) -> None:
+        """On CPU, before a batch: one intra-op thread for a batch below `small_batch_work` (tokens x d_model
+        x layers), else the width set_wide asked for. Splitting a tiny forward costs more in OpenMP's
+        hand-offs than it saves, and the pool's threads spin on between such batches (docs/performance.md)."""
+        if self._cuda:
+            return
+        spec = self._require_spec()
+        work = len(jobs) * max(job.length for job in jobs) * spec.d_model * spec.n_layers
+        _set_threads(1 if work < self._config.small_batch_work else getattr(self._width, "threads", self._threads))
+
+    @property
+    def narrow_threads(self) -> int:
+        """The intra-op threads of a batch that runs beside other workers' batches."""
+        return self._narrow_threads
 
     @property
     def pipelined(self) -> bool:
@@ -144,6 +240,7 @@ class Runner:
         return self._config.pipeline == "on" or (self._config.pipeline == "auto" and self._cuda)
 
     def execute(self, jobs: list[Job]) -> tuple[list[Output | ServiceError], float]:
+        self._fit_threads(jobs)
         started = time.perf_counter()
         outputs = self._run_split(jobs)
         if not self.pipelined:  # several workers may run batches at once: each counts its own time
@@ -152,6 +249,7 @@ class Runner:
 
     def launch(self, jobs: list[Job]) -> InFlight:
         """First half of a pipelined batch: everything up to the device work, which it does not wait for."""
+        self._fit_threads(jobs)
         started = time.perf_counter()
         try:
             return InFlight(jobs, started, self._enqueue(self._module, jobs))
@@ -418,6 +516,29 @@ class InFlight:
 
 def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+
+
+def _set_threads(threads: int) -> None:
+    if torch.get_num_threads() != threads:  # OpenMP keeps it per thread; setting it again is not free
+        torch.set_num_threads(threads)
+
+
+def _unmeasured_reason(config: ServiceConfig, device: torch.device) -> str:
+    if config.precision != "auto":
+        return "configured"
+    if device.type == "cuda":
+        return "device default: bf16 where the GPU supports it, else fp16"
+    return "not measured (warm-up is off): fp32"
+
+
+def _probe_batch(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The precision probe: 4 rows of min(128, max_length) tokens, two of them padded, ids drawn (seeded)
+    from the lower 90% of the vocabulary (test models keep their sentinel ids at the top, model/faults.py)."""
+    T = min(128, cfg.max_length)
+    lengths = torch.tensor([T, T, max(1, T // 2), max(1, T // 8)])
+    high = max(1, cfg.vocab_size - cfg.vocab_size // 10)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, high, size=(4, T)))  # (4, T)
+    return ids, lengths
 
 
 def _warm(result: tuple[list[Output | ServiceError], float]) -> None:

@@ -155,6 +155,9 @@ class AttentionServicer:
             n_heads=spec.n_heads, n_layers=spec.n_layers, vocab_size=spec.vocab_size, max_length=spec.max_length,
             positional=spec.positional, precision=spec.precision, device=spec.device,
             attention_scale=spec.attention_scale, standard_scale=spec.standard_scale, relative_bias=spec.relative_bias,
+            precision_reason=spec.precision_reason, precision_forward_ms=spec.precision_forward_ms,
+            batch_budget=pb.BatchBudget(max_batch_tokens=spec.max_batch_tokens, reason=spec.batch_reason,
+                                        tokens_per_second=spec.batch_curve),
             limits=pb.Limits(
                 max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,

@@ -212,7 +212,9 @@ def read_hello(body: memoryview) -> tuple[ModelSpec, int, str]:
     if data["text"] is not None:
         tokenizer = TextTokenizer(bytes(body[4 + length:]), TextSettings(**data["text"]),
                                   source="the model process's tokenizer")
-    return ModelSpec(**data["spec"], tokenizer=tokenizer), int(data["workers"]), str(data["auth_tokens"])
+    spec = data["spec"]
+    spec["batch_curve"] = {int(tokens): rate for tokens, rate in spec.get("batch_curve", {}).items()}  # JSON keys
+    return ModelSpec(**spec, tokenizer=tokenizer), int(data["workers"]), str(data["auth_tokens"])
 
 
 def message(kind: int, data: dict[str, Any]) -> bytes:

@@ -50,6 +50,7 @@ def _start(*flags: str, directory: Path) -> tuple[subprocess.Popen[str], Path]:
     log = directory / "server.log"
     out = open(log, "w")  # noqa: SIM115 (closed with the process below)
     proc = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", "0",
+                             "--http-port", "-1", "--precision", "fp32", "--max-batch-tokens", "1024",
                              "--ready-file", str(ready), *flags], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                             text=True)
     out.close()

@@ -32,7 +32,10 @@ PINNED = {
     "attention_queue_tokens": ("gauge", set()),
     "attention_queue_limit_tokens": ("gauge", set()),
     "attention_ready": ("gauge", set()),
-    "attention_model_info": ("gauge", {"name", "version", "device", "precision"}),
+    "attention_model_info": ("gauge", {"name", "version", "device", "precision", "precision_source"}),
+    "attention_warmup_forward_seconds": ("gauge", {"precision"}),
+    "attention_batch_tokens_limit": ("gauge", {"source"}),
+    "attention_warmup_tokens_per_second": ("gauge", {"batch_tokens"}),
     "attention_requests_total": ("counter", {"method", "code"}),
     "attention_sequences_total": ("counter", set()),
     "attention_nonfinite_outputs_total": ("counter", {"precision"}),
@@ -80,7 +83,7 @@ async def test_requests_are_counted_by_method_and_code_and_served_over_http(star
     assert s.sample("grpc_server_started_total", labels) == 2
     assert s.sample("attention_ready") == 1
     assert s.sample("attention_model_info", {"name": "tiny", "version": "1", "device": "cpu",
-                                             "precision": "fp32"}) == 1
+                                             "precision": "fp32", "precision_source": "configured"}) == 1
     text = await asyncio.to_thread(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read())
     assert b'attention_requests_total{code="OK",method="Encode"} 1.0' in text

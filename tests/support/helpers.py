@@ -46,7 +46,7 @@ def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
     """The tests' server config. The device is pinned to cpu (fp32), so the suite compares the same things on
     a machine with a GPU; CUDA is what tests/gpu/test_gpu.py asks for by overriding it."""
     base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, model=str(bundle), device="cpu",
-                         max_batch_tokens=2048, drain_grace_s=2.0)
+                         precision="fp32", max_batch_tokens=2048, drain_grace_s=2.0)
     return dataclasses.replace(base, **overrides)
 
 

@@ -24,16 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 LEDGER_LINE = "stopped; ledger "
 DRAIN_LINE = ": draining for up to "  # service/server.py drain_on_signal, in both modes
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"  # logging's asctime, which service/__main__.py's format starts with
+PINNED = ("--precision", "fp32", "--max-batch-tokens", "1024")
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 class ServerProcess:
     """`flags` come after the defaults, so they win (`--metrics-port -1` turns the metrics port off).
     `prelude` (Python) runs in the server process before the service starts, and `source` is the tree
-    it runs from (bench.ab compares two trees)."""
+    it runs from (bench.ab compares two trees). `pinned` (the default) fixes what the service would
+    otherwise measure at warm-up, precision (fp32) and max_batch_tokens (1024, the CPU default without
+    warm-up), so two processes of a test serve alike; bench.ab passes False to run the real defaults."""
 
     def __init__(self, bundle: Path, *flags: str, directory: Path | None = None, env: dict[str, str] | None = None,
-                 timeout: float = 120.0, prelude: str = "", source: Path = ROOT) -> None:
+                 timeout: float = 120.0, prelude: str = "", source: Path = ROOT, pinned: bool = True) -> None:
         self._tmp = None if directory is not None else tempfile.TemporaryDirectory(prefix="service-process-")
         self.directory = directory if directory is not None else Path(self._tmp.name)  # type: ignore[union-attr]
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -47,7 +50,8 @@ class ServerProcess:
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, *program, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-                 "--http-port", "0", "--model", str(bundle), "--ready-file", str(ready), *flags],
+                 "--http-port", "0", "--model", str(bundle), "--ready-file", str(ready),
+                 *(PINNED if pinned else ()), *flags],
                 cwd=source, stdout=out, stderr=subprocess.STDOUT,
                 env={**os.environ, **({"PYTHONPATH": str(source)} if source != ROOT else {}), **(env or {})},
             )

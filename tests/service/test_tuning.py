@@ -1,0 +1,166 @@
+"""Choices from a measurement at warm-up (service/tuning.py): the precision for precision=auto on CPU
+and the batch budget for max_batch_tokens=0. The accuracy gate and the choice rules are deterministic
+and tested as such (with real tiny models); what a measurement picks on this machine is not asserted,
+only that a choice is made, explained and reported (timings belong in bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from model.bundle import save_bundle
+from model.config import TINY
+from model.encoder import Encoder
+from proto.attention.v1 import attention_pb2 as pb
+from service.config import ServiceConfig
+from service.engine import batch_budget, batch_limits
+from service.jobs import ModelSpec
+from service.metrics import Metrics
+from service.multiproc import frames
+from service.runner import Runner
+from service.tuning import (
+    PRECISION_BOUNDS,
+    Agreement,
+    Bound,
+    agreement,
+    batch_shapes,
+    choose_batch_tokens,
+    choose_precision,
+    fastest_times,
+)
+from tests.support.helpers import ids_request, test_config
+
+CLOSE = Agreement(min_cosine=0.99999, hidden_error=0.001, finite=True)
+
+
+def _runner(bundle: Path, **overrides: object) -> Runner:
+    config = test_config(bundle, **overrides)
+    return Runner(config, str(bundle), Metrics(CollectorRegistry()), workers=1)
+
+
+@pytest.fixture(scope="module")
+def overflowing_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """TINY with embeddings scaled by 1e4: in bf16 (8 bits of mantissa) its hidden states drift far beyond the
+    bound (relative error 0.25 measured, bound 0.03), as no trained model's should."""
+    model = Encoder(TINY).init_weights(0)
+    with torch.no_grad():
+        model.tok_emb.weight.mul_(1e4)
+    path = tmp_path_factory.mktemp("bundles") / "overflowing"
+    save_bundle(model, path, name="overflowing", version="1", source="seed:0 x1e4")
+    return path
+
+
+def test_the_fastest_precision_within_the_bounds_is_chosen():
+    choice = choose_precision({"fp32": 0.040, "bf16": 0.010, "fp16": 0.020}, {"bf16": CLOSE, "fp16": CLOSE}, "4x128")
+    assert choice.precision == "bf16" and choice.forward_ms == {"fp32": 40.0, "bf16": 10.0, "fp16": 20.0}
+    assert choice.reason.startswith("measured at warm-up on 4x128") and "bf16 4.00x" in choice.reason
+
+
+def test_a_faster_precision_beyond_the_bound_is_refused():
+    far = Agreement(min_cosine=0.99, hidden_error=0.001, finite=True)  # the cosine alone fails bf16's bound
+    choice = choose_precision({"fp32": 0.040, "bf16": 0.010}, {"bf16": far}, "4x128")
+    assert choice.precision == "fp32" and "bf16 refused: differs from fp32 beyond the bound" in choice.reason
+    nonfinite = Agreement(min_cosine=float("-inf"), hidden_error=float("inf"), finite=False)
+    assert choose_precision({"fp32": 0.04, "fp16": 0.01}, {"fp16": nonfinite}, "x").precision == "fp32"
+
+
+def test_a_gain_within_the_noise_does_not_buy_a_reduced_precision():
+    choice = choose_precision({"fp32": 0.040, "bf16": 0.038}, {"bf16": CLOSE}, "4x128")
+    assert choice.precision == "fp32" and "bf16 not chosen: 1.05x" in choice.reason
+
+
+def test_agreement_measures_pooled_cosine_and_hidden_error_on_real_tokens_only():
+    want = torch.randn(2, 5, 8)
+    got = want.clone()
+    got[1, 3:] = 1e6  # padding: ignored
+    lengths = torch.tensor([5, 3])
+    same = agreement(got, want, lengths)
+    assert same.finite and same.hidden_error == 0 and same.min_cosine == pytest.approx(1.0)
+    got[0, 0] = -want[0, 0] * 50  # a real token far off
+    off = agreement(got, want, lengths)
+    assert off.hidden_error > 1 and off.min_cosine < 0.99 and not off.within(PRECISION_BOUNDS["bf16"])
+    got[0, 1, 0] = float("nan")
+    assert not agreement(got, want, lengths).finite
+
+
+def test_fastest_times_interleaves_and_keeps_each_runs_fastest_call():
+    calls: list[str] = []
+    times = fastest_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, budget_s=60)
+    assert calls == ["a", "b", "b", "a", "a", "b"] and set(times) == {"a", "b"}
+
+
+def test_precision_auto_measures_on_the_loaded_model_and_refuses_one_beyond_the_bound(overflowing_bundle: Path):
+    runner = _runner(overflowing_bundle, precision="auto")
+    spec = runner.load()
+    assert "bf16 refused: differs from fp32 beyond the bound" in spec.precision_reason, spec.precision_reason
+    assert spec.precision != "bf16" and set(spec.precision_forward_ms) == {"fp32", "bf16", "fp16"}
+
+
+def test_an_injected_bound_nothing_can_meet_leaves_fp32(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch):
+    for name in ("bf16", "fp16"):
+        monkeypatch.setitem(PRECISION_BOUNDS, name, Bound(min_cosine=1.0, max_hidden_error=0.0))
+    spec = _runner(tiny_bundle, precision="auto").load()
+    assert spec.precision == "fp32" and spec.precision_reason.startswith("measured")
+    assert "bf16 refused" in spec.precision_reason and "fp16 refused" in spec.precision_reason
+
+
+def test_a_configured_precision_wins_and_is_not_measured(tiny_bundle: Path):
+    spec = _runner(tiny_bundle, precision="bf16").load()
+    assert (spec.precision, spec.precision_reason, spec.precision_forward_ms) == ("bf16", "configured", {})
+    off = _runner(tiny_bundle, precision="auto", warmup=False).load()
+    assert off.precision == "fp32" and off.precision_reason.startswith("not measured")
+
+
+def test_the_budget_is_the_smallest_within_the_gain_of_the_best():
+    assert choose_batch_tokens({256: 100.0, 512: 180.0, 1024: 190.0, 2048: 195.0}) == 512  # flat after 512
+    assert choose_batch_tokens({256: 100.0, 512: 200.0, 1024: 400.0}) == 1024  # still growing: the largest
+    assert choose_batch_tokens({256: 100.0, 512: 50.0, 1024: 300.0, 2048: 310.0}) == 1024  # a slowed point
+    assert choose_batch_tokens({256: 100.0, 512: 90.0}) == 256
+
+
+def test_the_measured_shapes_reach_each_budget_within_the_batch_size_and_the_model():
+    assert batch_shapes(512, 64, [256, 1024, 16384, 65536]) == [(2, 128), (8, 128), (64, 256), (64, 512)]
+    assert batch_shapes(64, 64, [128, 256, 8192]) == [(2, 64), (4, 64), (64, 64)]  # tiny: the longest rows
+
+
+def test_a_configured_budget_wins_and_one_sequence_always_fits():
+    spec = ModelSpec("m", "1", "x", 32, 4, 2, 100, 512, "sinusoidal", "fp32", "cpu")
+    config = ServiceConfig(max_batch_tokens=4096)
+    assert batch_budget(config, {256: 1.0, 512: 1.0}, 128, 1).max_batch_tokens == 4096
+    measured = batch_budget(ServiceConfig(), {128: 100.0, 256: 101.0}, 128, 1)
+    assert measured.max_batch_tokens == 128 and measured.reason.startswith("measured")
+    assert batch_limits(ServiceConfig(), spec, measured).max_batch_tokens == 512  # the model's max_length
+
+
+def test_the_choices_cross_to_edge_processes_intact():
+    spec = ModelSpec("m", "1", "x", 32, 4, 2, 100, 64, "sinusoidal", "bf16", "cpu", precision_reason="measured: ...",
+                     precision_forward_ms={"fp32": 2.0, "bf16": 1.0}, max_batch_tokens=512, batch_reason="measured",
+                     batch_curve={256: 10.0, 512: 11.0})
+    body = frames.hello(spec, 2)
+    got, workers = frames.read_hello(memoryview(body)[frames.HEADER.size:])
+    assert got == spec and workers == 2
+
+
+async def test_precision_and_budget_chosen_at_start_are_reported_by_model_info_and_metrics(start_server):
+    s = await start_server(precision="auto", max_batch_tokens=0)
+    info = await s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.precision_reason.startswith("measured at warm-up") and info.precision in info.precision_reason
+    assert {"fp32", "bf16"} <= set(info.precision_forward_ms) and info.precision_forward_ms["fp32"] > 0
+    budget = info.batch_budget
+    assert budget.reason.startswith("measured at warm-up") and len(budget.tokens_per_second) >= 2
+    assert budget.max_batch_tokens in set(budget.tokens_per_second) | {info.max_length}
+    assert s.sample("attention_model_info", {"name": "tiny", "version": "1", "device": "cpu",
+                                             "precision": info.precision, "precision_source": "measured"}) == 1
+    assert s.sample("attention_batch_tokens_limit", {"source": "measured"}) == budget.max_batch_tokens
+    assert s.sample("attention_warmup_forward_seconds", {"precision": "fp32"}) > 0
+    response = await s.stub.Encode(ids_request([1, 2, 3]), timeout=10)
+    assert response.metadata.precision == info.precision  # what it said is what it serves
+
+
+async def test_configured_choices_are_reported_as_configured(served):
+    info = await served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert (info.precision, info.precision_reason, dict(info.precision_forward_ms)) == ("fp32", "configured", {})
+    assert (info.batch_budget.max_batch_tokens, info.batch_budget.reason) == (2048, "configured")
