@@ -3,7 +3,10 @@
     ServiceError
     ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
     │   ├── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
-    │   └── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
+    │   ├── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
+    │   ├── TooLarge        INVALID_ARGUMENT    (HTTP 413) a body or a count in it over the limits
+    │   ├── ReadTimeout     INVALID_ARGUMENT    (HTTP 408) a body that did not arrive in time
+    │   └── NotAcceptable   INVALID_ARGUMENT    (HTTP 404/405/400) no such route or method, a malformed request
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
     ├── NotFound            NOT_FOUND           no such model or version (the KServe v2 front door)
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
@@ -50,6 +53,22 @@ class NonFiniteInput(InvalidInput):
 
 class OutputOverflow(InvalidInput):
     """The result is finite, but not in the dtype asked for (FLOAT16 past 65504): service/output_range.py."""
+
+
+class TooLarge(InvalidInput):
+    """An HTTP body, or a count in it, is over this service's limits: HTTP 413 (service/doors/http/)."""
+
+
+class ReadTimeout(InvalidInput):
+    """An HTTP body did not arrive within `http_read_timeout_s`: HTTP 408."""
+
+
+class NotAcceptable(InvalidInput):
+    """A route or method the HTTP door has not (404, 405), or a malformed HTTP request, as an error of ours."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__("request", message)
+        self.status = status
 
 
 class FailedPrecondition(ServiceError):
@@ -123,6 +142,9 @@ REASON_OF: dict[type[ServiceError], str] = {
     InvalidInput: "invalid_argument",
     NonFiniteInput: "nonfinite_input",
     OutputOverflow: "output_overflow",
+    TooLarge: "too_large",
+    ReadTimeout: "read_timeout",
+    NotAcceptable: "not_acceptable",
     FailedPrecondition: "failed_precondition",
     NotFound: "not_found",
     Overloaded: "queue_full",

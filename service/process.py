@@ -5,8 +5,9 @@ ready file, signals, the drain, and the exit.
 The drain, written once (`Lifecycle.drain`): the front is told (edge processes start their own drain);
 readiness NOT_SERVING (liveness too); `drain_delay_s` while calls are still served (balancers notice);
 then new calls are refused UNAVAILABLE "shutting down" and the model admits nothing more; the front
-stops accepting and accepted calls get `drain_grace_s` to finish (what cannot finish is answered
-UNAVAILABLE just before the grace ends); then the model threads stop and the ports close. A change to
+stops accepting (GOAWAY: streaming callers reopen elsewhere) and accepted calls get `drain_grace_s` to
+finish (what cannot finish is answered UNAVAILABLE just before the grace ends); then the model threads
+stop and the ports close. A change to
 the drain's order or timing is made in `Lifecycle.drain` and nowhere else; a mode supplies only its
 `Front` (what "refuse" and "stop accepting" mean for it).
 
@@ -110,15 +111,17 @@ class Lifecycle:
         if grace > 0 and self.config.drain_delay_s > 0:
             await asyncio.sleep(self.config.drain_delay_s)
         front.refuse()
+        if engine is not None:
+            engine.close()
         if startup is not None and not startup.done():
             startup.cancel()
-        # Just before grace ends the batcher answers what is left itself, UNAVAILABLE "shutting down",
-        # rather than let the front cancel the calls.
+        if engine is not None:
+            await engine.hooks.pause("in_shutdown")
+        # The front stops accepting now; accepted calls have `grace`. Just before it ends the batcher
+        # answers what is left itself, UNAVAILABLE "shutting down", rather than let the front cancel them.
         margin = min(0.25, grace / 5)
         front.close(grace)
         if engine is not None:
-            engine.close()
-            await engine.hooks.pause("in_shutdown")
             await engine.drain(grace, margin)
         # The metrics thread notices a shutdown within its 0.5 s poll: let that overlap the front's close.
         metrics_down = (asyncio.create_task(asyncio.to_thread(self._httpd.shutdown)) if self._httpd is not None

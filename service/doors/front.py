@@ -7,8 +7,8 @@ server without importing the model stack (torch).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,15 +140,14 @@ def ledger(registry: CollectorRegistry) -> dict[str, Any]:
 class GrpcFront:
     """The drain's view of a gRPC server (service/process.py `Front`), in this process or an edge process.
 
-    The server keeps accepting through the grace, its handlers refusing new calls UNAVAILABLE "shutting
-    down", and stops (listener closed, GOAWAY) only once the model has answered what it admitted: a call
-    that arrives in the last moment is refused by us, never cancelled by grpcio's stop racing the refusal.
-    """
+    Its listener closes and its connections get GOAWAY as soon as the drain refuses new calls (so that
+    streaming callers reopen their streams on another replica at once); calls already accepted have the
+    grace to finish, and the batcher answers what is left just before it ends."""
 
     def __init__(self, server: grpc.aio.Server, serving: Serving) -> None:
         self._server = server
         self._serving = serving
-        self._deadline = 0.0
+        self._stopping: asyncio.Task[None] | None = None
 
     def announce(self, grace: float) -> None:
         self._serving.stopping = True  # readiness off (Serving.ready); calls are still served until refuse()
@@ -157,8 +156,8 @@ class GrpcFront:
         self._serving.draining = True
 
     def close(self, grace: float) -> None:
-        self._deadline = time.monotonic() + grace
+        self._stopping = asyncio.create_task(self._server.stop(grace))
 
     async def closed(self, margin: float) -> None:
-        # What is left: answers being sent, refusals being made; they finish well within `margin`.
-        await self._server.stop(max(margin, self._deadline - time.monotonic()))
+        assert self._stopping is not None, "closed() before close(). This is a bug."
+        await self._stopping

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from service.errors import DeadlineExceeded, InvalidInput, status_of
+from service.errors import DeadlineExceeded, InvalidInput, ServiceError, status_of
 
 _READS_ONE = "_reads_one_message"  # marks our behaviours: the method is unary to its callers
 
@@ -66,18 +66,29 @@ class MessageWaitInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc] 
                     async with asyncio.timeout(seconds):
                         request = await anext(requests)
             except TimeoutError:
-                await context.abort(grpc.StatusCode[status_of(late)], late.message)
+                await _refuse(context, late)
             except StopAsyncIteration:  # half-closed without a (complete) message: none can come now
                 missing = InvalidInput("request", "the call ended without a complete request message")
-                await context.abort(grpc.StatusCode[status_of(missing)], missing.message)
+                await _refuse(context, missing)
             if decode is not None:
                 try:
                     request = decode(request)
                 except Exception:  # noqa: BLE001  (any parse failure of the caller's bytes)
                     bad = InvalidInput("request", "not a valid message of this method")
-                    await context.abort(grpc.StatusCode[status_of(bad)], bad.message)
+                    await _refuse(context, bad)
             return await behavior(request, context)
 
         setattr(read_then_answer, _READS_ONE, True)
         return grpc.stream_unary_rpc_method_handler(read_then_answer,
                                                     response_serializer=handler.response_serializer)
+
+
+async def _refuse(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
+    """End the call with `error`'s status; when grpcio has already ended it (a message over the receive
+    limit: the caller has RESOURCE_EXHAUSTED from grpcio; or the caller left), as a cancellation."""
+    try:
+        await context.abort(grpc.StatusCode[status_of(error)], error.message)
+    except grpc.aio.AbortError:
+        raise
+    except Exception:  # noqa: BLE001  (grpcio's ExecuteBatchError: no status can be sent any more)
+        raise asyncio.CancelledError from None

@@ -202,7 +202,7 @@ async def test_make_run_stopped_by_a_signal_to_its_process_group_drains(fault_bu
     # The repository's own `run` recipe; BIN and STAMP overridden: this interpreter, no venv build.
     with open(tmp_path / "make.log", "wb") as log:
         group = subprocess.Popen([make, "--no-print-directory", "-C", str(ROOT), "run",
-                                  f"BIN={Path(sys.executable).parent}", "STAMP="],
+                                  f"BIN={Path(sys.executable).parent}", "STAMP=", "RUN_STAMP="],
                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         await wait_for(lambda: ready.exists() or group.poll() is not None, 120, "the service to be ready")

@@ -30,11 +30,26 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (annotations only: never imported)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def imports_of(module: str) -> set[str]:
-    """The project modules `module` imports, anywhere in its body (a lazy import counts)."""
+    """The project modules `module` imports at run time, anywhere in its body (a lazy import counts;
+    one under `if TYPE_CHECKING:` does not)."""
     tree = ast.parse(MODULES[module].read_text())
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -51,7 +66,7 @@ def all_imports(module: str) -> set[str]:
     """Every name `module` imports, project or not (first component), anywhere in its body."""
     tree = ast.parse(MODULES[module].read_text())
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -112,7 +127,7 @@ def test_server_does_not_import_multiproc_and_model_imports_no_grpc() -> None:
 def test_an_edge_process_loads_no_torch() -> None:
     """What `python -m service.multiproc.edge_worker` imports, in a fresh interpreter."""
     code = ("import sys, service.multiproc.edge_worker, service.doors.front, service.doors.attention_v1, "
-            "service.doors.kserve_v2; print('torch' in sys.modules)")
+            "service.doors.kserve_v2, service.doors.http.door; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -140,7 +140,7 @@ def test_the_choices_cross_to_edge_processes_intact():
                      precision_forward_ms={"fp32": 2.0, "bf16": 1.0}, max_batch_tokens=512, batch_reason="measured",
                      batch_curve={256: 10.0, 512: 11.0})
     body = frames.hello(spec, 2)
-    got, workers = frames.read_hello(memoryview(body)[frames.HEADER.size:])
+    got, workers, _ = frames.read_hello(memoryview(body)[frames.HEADER.size:])
     assert got == spec and workers == 2
 
 

@@ -40,8 +40,6 @@ from service.doors.http.inputs import Inputs, dimensions, json_size, names
 from service.doors.http.wire import (
     JSON,
     Dialect,
-    NotAcceptable,
-    TooLarge,
     field_of,
     json_object,
     json_response,
@@ -51,7 +49,7 @@ from service.doors.http.wire import (
 )
 from service.doors.kserve_v2 import SERVER_NAME, SERVER_VERSION, KServeServicer
 from service.doors.security import UNAUTHENTICATED, TokenChecker, load_tokens
-from service.errors import InvalidInput, NonFiniteInput, NotReady, ServiceError, status_of
+from service.errors import InvalidInput, NonFiniteInput, NotAcceptable, NotReady, ServiceError, TooLarge, status_of
 from service.jobs import ModelSpec
 from service.metrics import Metrics
 from service.output_range import check_representable
@@ -424,10 +422,11 @@ class HttpDoor:
 
 
 class HttpFront:
-    """The drain's view of the HTTP door (service/process.py `Front`), as GrpcFront's of the gRPC server:
-    it keeps accepting through the grace, its handlers refusing new calls UNAVAILABLE "shutting down"
-    (`Serving.draining`, which the gRPC front's `refuse` sets for both), and closes once the model has
-    answered what it admitted; readiness routes answer 503 from the drain's start (attention_ready 0)."""
+    """The drain's view of the HTTP door (service/process.py `Front`). Unlike the gRPC server (whose GOAWAY
+    moves streaming callers elsewhere at once; HTTP calls are short), it keeps accepting through the grace,
+    its handlers refusing new calls UNAVAILABLE "shutting down" (`Serving.draining`, which the gRPC front's
+    `refuse` sets for both), and closes once the model has answered what it admitted; readiness routes
+    answer 503 from the drain's start (attention_ready 0)."""
 
     def __init__(self, door: HttpDoor, serving: Any) -> None:
         self._door = door

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from service.doors.http.inputs import Inputs, decode_inputs
-from service.doors.http.wire import Dialect, TooLarge, json_object, known_fields, optional
-from service.errors import InvalidInput, ServiceError, status_of
+from service.doors.http.wire import Dialect, json_object, known_fields, optional
+from service.errors import InvalidInput, ServiceError, TooLarge, status_of
 
 EMBED = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"})
 EMBED_ALL = frozenset({"inputs", "truncate", "truncation_direction", "prompt_name"})

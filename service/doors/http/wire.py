@@ -19,29 +19,13 @@ from typing import Any
 
 from aiohttp import web
 
-from service.errors import InvalidInput, Overloaded, ServiceError, status_of
+from service.errors import InvalidInput, NotAcceptable, Overloaded, ReadTimeout, ServiceError, TooLarge, status_of
 
 JSON = "application/json"
 HTTP_STATUS: Mapping[str, int] = {
     "INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
     "DEADLINE_EXCEEDED": 504, "UNAVAILABLE": 503, "UNAUTHENTICATED": 401, "INTERNAL": 500, "CANCELLED": 499,
 }
-
-
-class TooLarge(InvalidInput):
-    """The body, or a count in it, is over this service's limits: HTTP 413."""
-
-
-class ReadTimeout(InvalidInput):
-    """The body did not arrive within `http_read_timeout_s`: HTTP 408."""
-
-
-class NotAcceptable(InvalidInput):
-    """A route or method the door has not (404, 405) or a malformed HTTP request, as an error of ours."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__("request", message)
-        self.status = status
 
 
 def http_status(error: ServiceError, invalid: int = 400, internal: int = 500) -> int:
