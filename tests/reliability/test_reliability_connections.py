@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2
 
 from proto.attention.v1 import attention_pb2_grpc
 from tests.support.h2_client import RawH2, grpc_headers
-from tests.support.helpers import free_port, health, ids_request
+from tests.support.helpers import free_port, health, ids_request, wait_for
 from tests.support.reliability_helpers import assert_clean_status
 from tests.support.server_process import ROOT, ServerProcess
 
@@ -232,7 +232,10 @@ async def test_a_message_that_never_completes_without_a_deadline_ends_at_the_def
         ended = await asyncio.to_thread(client.call_incomplete, declared=1000, sent=10, end_stream=end_stream,
                                         method=method, timeout=60.0)
     assert (ended.how, ended.grpc_status) == ("trailers", str(code.value[0])), ended
-    assert ageless.sample("grpc_server_handled_total", {"grpc_method": method, "grpc_code": code.name}) >= 1
+    # The interceptor counts the call after its status is on the wire: wait for the count, bounded.
+    await wait_for(lambda: ageless.sample("grpc_server_handled_total",
+                                          {"grpc_method": method, "grpc_code": code.name}) >= 1,
+                   30, "the ended call to be counted")
     async with grpc.aio.insecure_channel(ageless.target) as channel:  # a complete call is served as before
         response = await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]))
         assert len(response.outputs) == 1
