@@ -16,7 +16,7 @@ import logging
 
 from model.bundle import MANIFEST_FILE
 from model.default import default_bundle_dir, ensure_default_bundle
-from model.hf_folder import prepare_model
+from model.hf_folder import is_hf_folder, prepare_model
 from service.batching import Batcher, BatchLimits, ModelThreads
 from service.config import ServiceConfig
 from service.device import default_batch_tokens, default_threads, default_workers, is_cuda, measured_batch_tokens
@@ -92,6 +92,9 @@ class Engine:
         config, metrics, threads = self.config, self.metrics, self.threads
         await self.hooks.pause("before_ready")
         if config.model:  # a bundle, or a Hugging Face folder converted into the cache (or reused from it)
+            if is_hf_folder(config.model):
+                log.info("a Hugging Face folder: %s; converting it into %s unless a converted bundle is there "
+                         "(a first conversion takes seconds to a minute)", config.model, config.bundle_cache_dir)
             prepared = await asyncio.to_thread(prepare_model, config.model, config.bundle_cache_dir)
             if note := prepared.note():
                 log.info("%s", note)
