@@ -44,14 +44,18 @@ HEALTH_PROBE_OPTIONS: ChannelOptions = [("grpc.inhibit_health_checking", 1)]
 class RetryPolicy:
     """gRPC's transparent retries (the `retryPolicy` of the service config), per call.
 
-    Requests bigger than the per-call retry buffer (256 KiB by default) are not retried.
+    Requests bigger than the per-call retry buffer (256 KiB by default) are not retried. CANCELLED is
+    retried too: a call that reaches a draining server in the instant its gRPC server stops is cancelled
+    by grpcio's core before any handler sees it (it never ran; the server's ledger does not count it), and
+    every AttentionService call is a pure function of its request. gRPC never retries a call that its
+    caller cancelled.
     """
 
     max_attempts: int = 4  # the first try included; grpc caps this at 5
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 2.0
     backoff_multiplier: float = 2.0
-    codes: tuple[str, ...] = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+    codes: tuple[str, ...] = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED")
 
     def __post_init__(self) -> None:
         if not 2 <= self.max_attempts <= 5:

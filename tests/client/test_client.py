@@ -305,7 +305,7 @@ def test_targets_and_channel_options():
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     (method,) = config["methodConfig"]
     assert method["name"] == [{"service": "attention.v1.AttentionService"}]
-    assert set(method["retryPolicy"]["retryableStatusCodes"]) == {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+    assert set(method["retryPolicy"]["retryableStatusCodes"]) == {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED"}
     assert "methodConfig" not in json.loads(service_config(None))
     assert dict(channel_options(extra=[("grpc.keepalive_time_ms", 60_000)]))["grpc.keepalive_time_ms"] == 60_000
 

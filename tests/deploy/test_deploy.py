@@ -465,7 +465,8 @@ def test_envoy_config_contract() -> None:
     action = route["route"]
     assert action["timeout"] == "0s" and action["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
     retry = action["retry_policy"]
-    assert set(retry["retry_on"].split(",")) == {"unavailable", "reset", "connect-failure", "refused-stream"}
+    retried = {"unavailable", "cancelled", "reset", "connect-failure", "refused-stream"}
+    assert set(retry["retry_on"].split(",")) == retried
     assert "resource-exhausted" not in retry["retry_on"], "RESOURCE_EXHAUSTED: the client retries (docs/scale-out.md)"
     assert [p["name"] for p in retry["retry_host_predicate"]] == ["envoy.retry_host_predicates.previous_hosts"]
     assert "per_try_timeout" in retry

@@ -33,6 +33,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from client import EncoderClient
+from client.errors import ClientError
 from model import faults
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import from_tensor
@@ -228,3 +230,44 @@ async def test_make_run_stopped_by_a_signal_to_its_process_group_drains(fault_bu
     output = (tmp_path / "make.log").read_text()
     assert status == Code.OK, output[-3000:]  # drained: the accepted call was answered
     assert "second signal" not in output and "stopped; ledger" in output, output[-3000:]
+
+
+@MODES
+async def test_calls_racing_the_drain_end_are_never_cancelled_for_the_client(fault_bundle: Path, tmp_path: Path,
+                                                                            mode: tuple[str, ...]):
+    """Issue 27: a call that reaches a draining server in the instant its gRPC server stops is one grpcio's
+    core has not handed to any handler yet; the core cancels it (the caller sees CANCELLED, the server's
+    ledger never counts it: it never ran). Encode is a pure function, so the client library's default retry
+    policy retries such a CANCELLED (grpc never retries a call its caller cancelled), as Envoy's route does
+    (deploy/envoy/envoy.yaml): callers of the library see OK or UNAVAILABLE, never CANCELLED. 24 callers
+    keep calling through the whole drain (bounded: 3,000 calls each, 60 s), on one channel."""
+    server = ServerProcess(fault_bundle, "--drain-grace-s", "1", "--drain-delay-s", "0.3", "--log-level", "info",
+                           *mode, directory=tmp_path)
+    seen: dict[str, int] = {}
+    try:
+        async with EncoderClient(server.target, timeout=10) as client:
+            end = time.monotonic() + 60
+
+            async def caller() -> None:
+                for _ in range(3000):
+                    if time.monotonic() > end:
+                        return
+                    try:
+                        await client.encode([np.array([1, 2, 3])])
+                        seen["OK"] = seen.get("OK", 0) + 1
+                    except ClientError as error:
+                        seen[error.code] = seen.get(error.code, 0) + 1
+                        if server.proc.poll() is not None:
+                            return
+
+            callers = [asyncio.create_task(caller()) for _ in range(24)]
+            await wait_for(lambda: seen.get("OK", 0) >= 200, 30, "the callers to get going")
+            os.kill(server.proc.pid, signal.SIGTERM)
+            await asyncio.wait_for(asyncio.gather(*callers), 90)
+        code = server.proc.wait(timeout=HANG_CAP_S)
+    finally:
+        server.kill()
+    assert code == 0, server.output()[-3000:]
+    assert set(seen) <= {"OK", "UNAVAILABLE"}, seen
+    book = server.exit_ledger()
+    assert sum(book["handled"].values()) == book["started"] and "CANCELLED" not in book["handled"], book
