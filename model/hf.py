@@ -11,6 +11,9 @@ against the transformers model itself (tests/model/test_model_families.py):
   distilbert   hf_distilbert  BERT without token types, other names
   modernbert   hf_modernbert  pre-LN, rotary (global / local bases), GeGLU, norms without bias, local
                               sliding-window layers between every global_attn_every_n_layers-th
+  bert with    hf_jina_bert   jina-bert-v2 (jina-embeddings-v2): BERT's layout with ALiBi (positional="alibi")
+  position_embedding_type     in place of the position table and a GLU feed-forward (feed_forward_type geglu
+  "alibi"                     or reglu; its up-projection has no bias)
 XLM-R's SentencePiece/Unigram tokenizer.json runs through the same `tokenizers` text path as BERT's WordPiece.
 
 Reads a local model folder (never a hub): `config.json`, `model.safetensors` (or `pytorch_model.bin`,
@@ -114,8 +117,9 @@ def _bert_like(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionE
         raise refuse("hidden_act", f"only {sorted(_ACTIVATIONS)} can be reproduced exactly "
                      "(gelu_new and gelu_pytorch_tanh are the tanh approximation)")
     if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise refuse("position_embedding_type", "only absolute (learned) positions are supported; "
-                     "relative_key / relative_key_query add a relative position term to the scores")
+        raise refuse("position_embedding_type", "only absolute (learned) positions are supported (and alibi "
+                     "for model_type bert: jina-bert-v2); relative_key / relative_key_query add a relative "
+                     "position term to the scores")
     for key in ("is_decoder", "add_cross_attention"):
         if hf.get(key):
             raise refuse(key, "a decoder or cross-attention is not an encoder")
@@ -176,6 +180,21 @@ def _read_distilbert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConve
         return refuse(source, why)
 
     return dataclasses.replace(_bert_like(renamed, refuse_named), layer_norm_eps=1e-12)
+
+
+_GLU_ACTIVATIONS = {"geglu": "gelu", "reglu": "relu"}  # jina-bert-v2's feed_forward_type: nn.GELU(), nn.ReLU()
+
+
+def _read_jina_bert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    """jina-bert-v2 (jina-embeddings-v2-*, MosaicBERT's layout): BERT's, with ALiBi in place of the position table
+    and a GLU feed-forward (act(first half) * second half) whose activation feed_forward_type names."""
+    kind = hf.get("feed_forward_type", "original")
+    if kind not in _GLU_ACTIVATIONS:
+        raise refuse("feed_forward_type", f"with ALiBi only jina-bert-v2's GLU feed-forwards "
+                     f"{sorted(_GLU_ACTIVATIONS)} are converted")
+    # hidden_act does not reach the GLU (feed_forward_type picks its activation); the rest is BERT's.
+    config = _bert_like({**hf, "position_embedding_type": "absolute", "hidden_act": "gelu"}, refuse)
+    return dataclasses.replace(config, positional="alibi", ffn_gated=True, activation=_GLU_ACTIVATIONS[kind])
 
 
 _MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu",
@@ -259,9 +278,15 @@ FAMILIES = {f.model_type: f for f in (
 )}
 
 
+# model_type bert with position_embedding_type alibi: jina-bert-v2's config (its code is not in transformers).
+JINA_BERT = Family("bert", _read_jina_bert, "hf_jina_bert", ("", "bert."))
+
+
 def family_of(hf: Mapping[str, Any], path: Path) -> Family:
     """The Family of a config.json's model_type, or an HFConversionError naming it."""
     model_type = hf.get("model_type")
+    if model_type == "bert" and hf.get("position_embedding_type") == "alibi":
+        return JINA_BERT
     if isinstance(model_type, str) and model_type in FAMILIES:
         return FAMILIES[model_type]
     why = _REFUSED_TYPES.get(model_type, f"only {sorted(FAMILIES)} are supported") if isinstance(
