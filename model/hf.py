@@ -20,7 +20,9 @@ Reads a local model folder (never a hub): `config.json`, `model.safetensors` (or
 loaded with weights_only=True), `tokenizer.json`, and the sentence-transformers files when present
 (`modules.json`, the Pooling module's `config.json`, `sentence_bert_config.json`,
 `config_sentence_transformers.json`, `tokenizer_config.json`). What our encoder cannot reproduce
-exactly is refused with a message naming the file and key; never a silently different model.
+exactly is refused with a message naming the file and key; never a silently different model. A folder
+without `tokenizer.json` converts to an ids-only bundle (no text settings); `ids_only_note` is the line
+the command line and the service say about it.
 
 BERT as our encoder (post-LN, exact GELU, learned positions, `embedding_norm`), through the key map
 model/keymaps/hf_bert.json (model/convert.py's mechanism, as every import):
@@ -440,14 +442,26 @@ def _read_json_list(path: Path) -> list[Any] | None:
     return data
 
 
-def convert_hf(model_dir: str | Path) -> tuple[Encoder, bytes, TextSettings, str]:
+def ids_only_note(model_dir: str | Path) -> str:
+    """One line for a folder without tokenizer.json: its bundle takes token ids only, and how to give it text."""
+    return (f"{Path(model_dir)} has no {TOKENIZER_FILE}: the bundle takes token ids and embeddings only, no text; "
+            f"to serve text, save the model's fast tokenizer into the folder (transformers: "
+            f"AutoTokenizer.from_pretrained(model).save_pretrained(folder) writes {TOKENIZER_FILE}) and convert again")
+
+
+def convert_hf(model_dir: str | Path) -> tuple[Encoder, bytes | None, TextSettings | None, str]:
     """(encoder, tokenizer.json bytes, text settings, source) for a local Hugging Face folder of one of FAMILIES
-    (config.json's model_type picks the family)."""
+    (config.json's model_type picks the family). A folder without tokenizer.json (weights only, or a
+    vocab.txt the `tokenizers` library cannot read as it is) gives no tokenizer and no text settings: an
+    ids-only bundle (`ids_only_note` says so)."""
     config = read_hf_config(model_dir)
     hf = _read_json(Path(model_dir) / "config.json")
     assert hf is not None
     family = family_of(hf, Path(model_dir) / "config.json")
     state_dict, weights_path = load_hf_weights(model_dir)
     encoder = convert_family(family, state_dict, config, str(weights_path))
+    source = f"hf:{Path(model_dir).resolve().name}/{weights_path.name}"
+    if not (Path(model_dir) / TOKENIZER_FILE).is_file():
+        return encoder, None, None, source
     data, settings = read_text_settings(model_dir, config)
-    return encoder, data, settings, f"hf:{Path(model_dir).resolve().name}/{weights_path.name}"
+    return encoder, data, settings, source
