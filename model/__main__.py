@@ -20,6 +20,7 @@ from model.bundle import MANIFEST_FILE, MODEL_FILE, BundleError, read_manifest, 
 from model.config import EncoderConfig
 from model.convert import ConversionError, KeyMap, builtin_names, convert, load_state_dict_file
 from model.default import DEFAULT_NAME, DEFAULT_VERSION, build_default_bundle
+from model.hf import ids_only_note
 from model.hf_folder import convert_hf_folder
 
 
@@ -80,7 +81,10 @@ def _convert(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _convert_hf(args: argparse.Namespace) -> dict[str, object]:
-    return convert_hf_folder(args.model_dir, args.out, name=args.name, version=args.version).to_dict()
+    manifest = convert_hf_folder(args.model_dir, args.out, name=args.name, version=args.version)
+    if manifest.text is None:  # a folder without tokenizer.json: said on stderr, the manifest stays stdout's
+        print(f"note: {ids_only_note(args.model_dir)}", file=sys.stderr)
+    return manifest.to_dict()
 
 
 def _remove_bundle(directory: Path) -> None:
@@ -157,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert a Hugging Face BERT checkpoint folder (config.json, model.safetensors "
                        "or pytorch_model.bin, tokenizer.json, and the sentence-transformers files when present) "
                        "into a text bundle: the encoder, its tokenizer and its text settings (token limit, "
-                       "pooling, normalisation, prompts). What cannot be reproduced exactly is refused by name. "
-                       "Nothing is downloaded.")
+                       "pooling, normalisation, prompts). A folder without tokenizer.json gives a bundle for token "
+                       "ids and embeddings only (a note on stderr says so). What cannot be reproduced exactly is "
+                       "refused by name. Nothing is downloaded.")
     p.add_argument("--model-dir", required=True, type=Path, help="local Hugging Face model folder")
     p.add_argument("--out", required=True, type=Path, help="directory to create the bundle in (must be empty)")
     p.add_argument("--name", default="", help="model name for the manifest (default: the folder's name)")

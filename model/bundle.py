@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
-from model.encoder import relative_buckets, sinusoidal_table
+from model.encoder import alibi_slopes, relative_buckets, sinusoidal_table
 from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
@@ -228,7 +228,8 @@ def module_config_facts(module: Any) -> dict[str, Any]:
             "n_heads": int(first.attn.n_heads),
             "d_ff": int(params["blocks.0.ff.fc1.weight"].shape[0]) // (2 if getattr(first.ff, "gated", False) else 1),
             "max_length": int(enc.max_length),
-            "positional": "rotary" if getattr(first.attn, "rotary", False) else "none" if not enc.has_positions
+            "positional": "rotary" if getattr(first.attn, "rotary", False) else "alibi" if getattr(enc, "alibi", False)
+            else "none" if not enc.has_positions
             else "learned" if "pos_emb" in params else "sinusoidal",
             "norm_first": bool(first.norm_first),
             "activation": "gelu" if first.ff.use_gelu else "gelu_tanh" if getattr(first.ff, "use_gelu_tanh", False)
@@ -309,6 +310,10 @@ def _check_module(module: Any, manifest: Manifest, where: Path) -> None:
         if not torch.equal(table.cpu(), sinusoidal_table(facts["max_length"] + facts["position_offset"],
                                                             facts["d_model"])):
             raise BundleError(f"{where}: the module's sinusoidal position table is not the one its config derives")
+    if facts["positional"] == "alibi":  # derived, outside weights_sha256
+        slopes = list(_encoder_of(module)[1].alibi_slopes)
+        if slopes != alibi_slopes(facts["n_heads"]):
+            raise BundleError(f"{where}: the module's ALiBi slopes {slopes} are not the ones its config derives")
     if facts["relative_bias"] == "bucketed":  # derived, outside weights_sha256
         c = manifest.config
         index = relative_buckets(c.max_length, c.relative_buckets, c.relative_max_distance)

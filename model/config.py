@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-POSITIONALS = ("sinusoidal", "learned", "rotary", "none")
+POSITIONALS = ("sinusoidal", "learned", "rotary", "alibi", "none")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 NORMS = ("layer", "rms")
 RELATIVE_BIASES = ("none", "shared", "per_layer", "bucketed")
@@ -33,7 +33,9 @@ class EncoderConfig:
     d_ff: int = 1024
     vocab_size: int = 8192
     max_length: int = 512
-    positional: str = "sinusoidal"  # sinusoidal | learned | rotary (q and k rotated, no table added) | none
+    # sinusoidal | learned | rotary (q and k rotated, no table added) | alibi (no table: head h's scores get
+    # -slope_h * |i - j|, the slopes of the ALiBi paper, symmetric as an encoder has them) | none
+    positional: str = "sinusoidal"
     norm_first: bool = False  # True: pre-LN (x + f(LN(x))); False: post-LN (LN(x + f(x)))
     # relu | gelu (exact, erf-based, as nn.TransformerEncoderLayer) | gelu_tanh (the tanh approximation,
     # gelu_pytorch_tanh) | silu
@@ -120,6 +122,9 @@ class EncoderConfig:
         if offset and self.positional not in ("learned", "sinusoidal"):
             raise ValueError(f"EncoderConfig.position_offset={offset} needs a position table "
                              f"(positional={self.positional!r})")
+        if self.positional == "alibi" and self.relative_bias != "none":
+            raise ValueError(f"EncoderConfig.positional='alibi' with relative_bias={self.relative_bias!r}: two "
+                             "relative position terms in one model are not supported")
         for name, low in (("local_radius", 0), ("global_every", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:

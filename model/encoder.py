@@ -23,9 +23,11 @@ Rows of length 0, embeddings of magnitude 1e4 and max_length inputs stay finite 
 
 Capabilities of other families, each an EncoderConfig field and off by default (then the frozen graph of
 REFERENCE is op for op the one without them: tests/model/test_model_capabilities.py): a position table read from
-an offset; rotary positions (cos/sin computed per call in fp32, as Hugging Face does); MPNet/T5 bucketed
-relative positions; RMSNorm, LayerNorm without bias; gated feed-forwards; gelu_tanh, silu; projections
-without biases; local (sliding-window) layers between global ones; no norm before the first attention.
+an offset; rotary positions (cos/sin computed per call in fp32, as Hugging Face does); ALiBi (-slope_h * |i - j|
+on head h's scores, the (nh, T, T) bias computed per call in fp32 from the paper's slopes: no table, so
+nothing but max_length bounds T; tests/model/test_model_alibi.py); MPNet/T5 bucketed relative positions;
+RMSNorm, LayerNorm without bias; gated feed-forwards; gelu_tanh, silu; projections without biases; local
+(sliding-window) layers between global ones; no norm before the first attention.
 """
 
 import math
@@ -118,8 +120,9 @@ class MultiHeadAttention(nn.Module):
     ) -> Tuple[Tensor, Optional[Tensor]]:
         """x (B, T, C); mask bool (B, 1, 1|T, T), True where a query may attend to a key.
 
-        bias (nh, T, T): the shared relative position bias, added to the scaled scores before the mask
-        (a per-layer table, config.relative_bias="per_layer", is this module's own and replaces it).
+        bias (nh, T, T): the shared relative position bias (a shared or bucketed table, or ALiBi's), added to
+        the scaled scores before the mask (a per-layer table, config.relative_bias="per_layer", is this module's
+        own and replaces it).
 
         packed: x holds only the real tokens, (N, C), and `packed` is `packing(lengths, T)`; the
         projections run on the N tokens alone and only the attention itself sees the padded (B, T) grid
@@ -350,6 +353,21 @@ def relative_buckets(n_positions: int, n_buckets: int, max_distance: int) -> Ten
     return ret + torch.where(n < max_exact, n, large)
 
 
+def alibi_slopes(n_heads: int) -> List[float]:
+    """The ALiBi slope of each head (Press et al., "Train Short, Test Long", and their code): for n a power of
+    two the geometric sequence 2^(-8/n), 2^(-16/n), ..., 2^(-8); otherwise those of the closest power of two
+    below, p, followed by every other one of 2p's (its 1st, 3rd, ...) up to n. Python floats (fp64)."""
+
+    def power_of_2(n: int) -> List[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start ** i for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return power_of_2(n_heads)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return power_of_2(closest) + alibi_slopes(2 * closest)[0::2][: n_heads - closest]
+
+
 def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
     # Uniform with the given std, drawn as integers and scaled in fp64: torch's float samplers have
     # vectorised kernels whose last bit may differ between CPUs; integer draws and exact scaling do not.
@@ -360,7 +378,8 @@ def _uniform_(t: Tensor, std: float, generator: torch.Generator) -> None:
 
 class Encoder(nn.Module):
     """Token embedding (or precomputed embeddings), positions, n_layers blocks, optional final LayerNorm;
-    a shared relative position bias table lives here, a per-layer one in each block's attention."""
+    a shared relative position bias table (and ALiBi's slopes) lives here, a per-layer one in each block's
+    attention."""
 
     # The Python config is for Python callers (bundle export); TorchScript sees the Final ints below.
     __jit_ignored_attributes__ = ["config"]
@@ -374,6 +393,9 @@ class Encoder(nn.Module):
     bucketed: Final[bool]
     local_radius: Final[int]
     global_every: Final[int]
+    alibi: Final[bool]
+    # A TorchScript attribute, not a buffer: a module cast to bf16 / fp16 keeps the slopes as they are.
+    alibi_slopes: List[float]
 
     def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
@@ -411,6 +433,8 @@ class Encoder(nn.Module):
             self.register_buffer("rel_buckets", torch.zeros(0), persistent=False)
             index = torch.zeros(0, 0, dtype=torch.long)
         self.register_buffer("bucket_index", index, persistent=False)
+        self.alibi = config.positional == "alibi"
+        self.alibi_slopes = alibi_slopes(config.n_heads) if self.alibi else []
 
     def init_weights(self, seed: int) -> "Encoder":
         """Re-initialise deterministically: same seed -> same bits on any machine and torch version.
@@ -522,6 +546,10 @@ class Encoder(nn.Module):
             bias = self.rel_bias[:, :T, :T]  # (nh, T, T)
         if self.bucketed:
             bias = F.embedding(self.bucket_index[:T, :T], self.rel_buckets).permute(2, 0, 1)  # (nh, T, T)
+        if self.alibi:  # -slope_h * |i - j| in fp32, whatever the module dtype (as the explicit scores)
+            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32, device=x.device)  # (nh,)
+            distance = (positions[None, :] - positions[:, None]).abs().float()  # (T, T)
+            bias = -slopes[:, None, None] * distance  # (nh, T, T)
         local_mask: Optional[Tensor] = None
         if self.local_radius > 0:  # (B, 1, T, T): the mask within local_radius either side
             local_mask = mask & ((positions[None, :] - positions[:, None]).abs() <= self.local_radius)

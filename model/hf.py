@@ -11,13 +11,18 @@ against the transformers model itself (tests/model/test_model_families.py):
   distilbert   hf_distilbert  BERT without token types, other names
   modernbert   hf_modernbert  pre-LN, rotary (global / local bases), GeGLU, norms without bias, local
                               sliding-window layers between every global_attn_every_n_layers-th
+  bert with    hf_jina_bert   jina-bert-v2 (jina-embeddings-v2): BERT's layout with ALiBi (positional="alibi")
+  position_embedding_type     in place of the position table and a GLU feed-forward (feed_forward_type geglu
+  "alibi"                     or reglu; its up-projection has no bias)
 XLM-R's SentencePiece/Unigram tokenizer.json runs through the same `tokenizers` text path as BERT's WordPiece.
 
 Reads a local model folder (never a hub): `config.json`, `model.safetensors` (or `pytorch_model.bin`,
 loaded with weights_only=True), `tokenizer.json`, and the sentence-transformers files when present
 (`modules.json`, the Pooling module's `config.json`, `sentence_bert_config.json`,
 `config_sentence_transformers.json`, `tokenizer_config.json`). What our encoder cannot reproduce
-exactly is refused with a message naming the file and key; never a silently different model.
+exactly is refused with a message naming the file and key; never a silently different model. A folder
+without `tokenizer.json` converts to an ids-only bundle (no text settings); `ids_only_note` is the line
+the command line and the service say about it.
 
 BERT as our encoder (post-LN, exact GELU, learned positions, `embedding_norm`), through the key map
 model/keymaps/hf_bert.json (model/convert.py's mechanism, as every import):
@@ -114,8 +119,9 @@ def _bert_like(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionE
         raise refuse("hidden_act", f"only {sorted(_ACTIVATIONS)} can be reproduced exactly "
                      "(gelu_new and gelu_pytorch_tanh are the tanh approximation)")
     if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise refuse("position_embedding_type", "only absolute (learned) positions are supported; "
-                     "relative_key / relative_key_query add a relative position term to the scores")
+        raise refuse("position_embedding_type", "only absolute (learned) positions are supported (and alibi "
+                     "for model_type bert: jina-bert-v2); relative_key / relative_key_query add a relative "
+                     "position term to the scores")
     for key in ("is_decoder", "add_cross_attention"):
         if hf.get(key):
             raise refuse(key, "a decoder or cross-attention is not an encoder")
@@ -176,6 +182,21 @@ def _read_distilbert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConve
         return refuse(source, why)
 
     return dataclasses.replace(_bert_like(renamed, refuse_named), layer_norm_eps=1e-12)
+
+
+_GLU_ACTIVATIONS = {"geglu": "gelu", "reglu": "relu"}  # jina-bert-v2's feed_forward_type: nn.GELU(), nn.ReLU()
+
+
+def _read_jina_bert(hf: Mapping[str, Any], refuse: Callable[[str, str], HFConversionError]) -> EncoderConfig:
+    """jina-bert-v2 (jina-embeddings-v2-*, MosaicBERT's layout): BERT's, with ALiBi in place of the position table
+    and a GLU feed-forward (act(first half) * second half) whose activation feed_forward_type names."""
+    kind = hf.get("feed_forward_type", "original")
+    if kind not in _GLU_ACTIVATIONS:
+        raise refuse("feed_forward_type", f"with ALiBi only jina-bert-v2's GLU feed-forwards "
+                     f"{sorted(_GLU_ACTIVATIONS)} are converted")
+    # hidden_act does not reach the GLU (feed_forward_type picks its activation); the rest is BERT's.
+    config = _bert_like({**hf, "position_embedding_type": "absolute", "hidden_act": "gelu"}, refuse)
+    return dataclasses.replace(config, positional="alibi", ffn_gated=True, activation=_GLU_ACTIVATIONS[kind])
 
 
 _MODERNBERT_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu", "swish": "silu",
@@ -259,9 +280,15 @@ FAMILIES = {f.model_type: f for f in (
 )}
 
 
+# model_type bert with position_embedding_type alibi: jina-bert-v2's config (its code is not in transformers).
+JINA_BERT = Family("bert", _read_jina_bert, "hf_jina_bert", ("", "bert."))
+
+
 def family_of(hf: Mapping[str, Any], path: Path) -> Family:
     """The Family of a config.json's model_type, or an HFConversionError naming it."""
     model_type = hf.get("model_type")
+    if model_type == "bert" and hf.get("position_embedding_type") == "alibi":
+        return JINA_BERT
     if isinstance(model_type, str) and model_type in FAMILIES:
         return FAMILIES[model_type]
     why = _REFUSED_TYPES.get(model_type, f"only {sorted(FAMILIES)} are supported") if isinstance(
@@ -415,14 +442,26 @@ def _read_json_list(path: Path) -> list[Any] | None:
     return data
 
 
-def convert_hf(model_dir: str | Path) -> tuple[Encoder, bytes, TextSettings, str]:
+def ids_only_note(model_dir: str | Path) -> str:
+    """One line for a folder without tokenizer.json: its bundle takes token ids only, and how to give it text."""
+    return (f"{Path(model_dir)} has no {TOKENIZER_FILE}: the bundle takes token ids and embeddings only, no text; "
+            f"to serve text, save the model's fast tokenizer into the folder (transformers: "
+            f"AutoTokenizer.from_pretrained(model).save_pretrained(folder) writes {TOKENIZER_FILE}) and convert again")
+
+
+def convert_hf(model_dir: str | Path) -> tuple[Encoder, bytes | None, TextSettings | None, str]:
     """(encoder, tokenizer.json bytes, text settings, source) for a local Hugging Face folder of one of FAMILIES
-    (config.json's model_type picks the family)."""
+    (config.json's model_type picks the family). A folder without tokenizer.json (weights only, or a
+    vocab.txt the `tokenizers` library cannot read as it is) gives no tokenizer and no text settings: an
+    ids-only bundle (`ids_only_note` says so)."""
     config = read_hf_config(model_dir)
     hf = _read_json(Path(model_dir) / "config.json")
     assert hf is not None
     family = family_of(hf, Path(model_dir) / "config.json")
     state_dict, weights_path = load_hf_weights(model_dir)
     encoder = convert_family(family, state_dict, config, str(weights_path))
+    source = f"hf:{Path(model_dir).resolve().name}/{weights_path.name}"
+    if not (Path(model_dir) / TOKENIZER_FILE).is_file():
+        return encoder, None, None, source
     data, settings = read_text_settings(model_dir, config)
-    return encoder, data, settings, f"hf:{Path(model_dir).resolve().name}/{weights_path.name}"
+    return encoder, data, settings, source

@@ -8,7 +8,8 @@ converted into cache_dir/hf-{folder name}-{key}, where the key is a sha256 of th
 torch version, so a second start with the same folder reuses the bundle and a changed file or an upgrade
 converts again. Built in a temporary sibling and renamed into place (model/bundle.py build_atomically): a
 reader never sees half a bundle, and two processes racing end up with one. Nothing here logs: the result
-says what was done, and the service logs it.
+says what was done (and, for a folder without tokenizer.json, that the bundle takes token ids only), and
+the service logs it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from model.bundle import MANIFEST_FILE, Manifest, build_atomically, save_bundle
+from model.bundle import MANIFEST_FILE, Manifest, build_atomically, read_manifest, save_bundle
 from model.default import ensure_default_bundle
-from model.hf import convert_hf
+from model.hf import convert_hf, ids_only_note
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # the order model/hf.py load_hf_weights prefers
@@ -39,14 +40,17 @@ class PreparedModel:
     bundle_dir: Path
     source: Path
     action: str
+    ids_only: bool = False  # converted from a folder without tokenizer.json: token ids and embeddings only
 
     def note(self) -> str | None:
-        """One sentence for the log, or None for a bundle given as one (and the default bundle)."""
+        """One line for the log, or None for a bundle given as one (and the default bundle)."""
         if self.action == "converted":
-            return f"converted Hugging Face folder {self.source} into {self.bundle_dir}"
-        if self.action == "reused":
-            return f"reusing converted bundle {self.bundle_dir} for Hugging Face folder {self.source}"
-        return None
+            note = f"converted Hugging Face folder {self.source} into {self.bundle_dir}"
+        elif self.action == "reused":
+            note = f"reusing converted bundle {self.bundle_dir} for Hugging Face folder {self.source}"
+        else:
+            return None
+        return f"{note}; {ids_only_note(self.source)}" if self.ids_only else note
 
 
 def is_hf_folder(path: str | os.PathLike[str]) -> bool:
@@ -59,8 +63,9 @@ def convert_hf_folder(model_dir: str | os.PathLike[str], out: str | os.PathLike[
                       version: str = "1") -> Manifest:
     """`python -m model convert-hf`: the folder as a text bundle in `out` (name: the folder's, by default)."""
     encoder, tokenizer, settings, source = convert_hf(model_dir)
+    text = None if tokenizer is None or settings is None else (tokenizer, settings)  # None: no tokenizer.json
     return save_bundle(encoder, out, name=name or Path(model_dir).resolve().name, version=version, source=source,
-                       text=(tokenizer, settings))
+                       text=text)
 
 
 def folder_key(model_dir: str | os.PathLike[str]) -> str:
@@ -93,6 +98,6 @@ def prepare_model(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str
     safe_name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name)[:64] or "model"
     final = Path(cache_dir) / f"hf-{safe_name}-{folder_key(path)[:16]}"
     if (final / MANIFEST_FILE).is_file():
-        return PreparedModel(final, path, "reused")
+        return PreparedModel(final, path, "reused", read_manifest(final).text is None)
     built = build_atomically(final, lambda tmp: convert_hf_folder(path, tmp))
-    return PreparedModel(final, path, "converted" if built else "reused")
+    return PreparedModel(final, path, "converted" if built else "reused", read_manifest(final).text is None)

@@ -184,6 +184,8 @@ def _ops(config: EncoderConfig, attn_layers: list[int]) -> set[str]:
 def test_every_capability_off_leaves_the_reference_graph_free_of_them() -> None:
     """With the defaults, the frozen graph has none of the capabilities' operations (no per-call work)."""
     ops = _ops(REFERENCE, [])
-    assert not ops & {"aten::cos", "aten::sin", "aten::rsqrt", "aten::silu", "aten::cat", "aten::neg"}, ops
+    assert not ops & {"aten::cos", "aten::sin", "aten::rsqrt", "aten::silu", "aten::cat", "aten::neg",
+                      "aten::abs", "aten::tensor"}, ops
     rotary = _ops(dataclasses.replace(REFERENCE, positional="rotary", norm="rms"), [])
     assert {"aten::cat", "aten::rsqrt"} <= rotary  # the check can see them when they are on
+    assert {"aten::abs", "aten::tensor", "aten::neg"} <= _ops(dataclasses.replace(REFERENCE, positional="alibi"), [])

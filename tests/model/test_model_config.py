@@ -33,7 +33,7 @@ def test_frozen() -> None:
         ({"d_ff": 64.0}, r"d_ff must be a positive int, got 64\.0"),
         ({"vocab_size": 0}, r"vocab_size must be a positive int, got 0"),
         ({"max_length": -1}, r"max_length must be a positive int, got -1"),
-        ({"positional": "alibi"}, r"positional must be one of .*got 'alibi'"),
+        ({"positional": "t5"}, r"positional must be one of .*got 't5'"),
         ({"activation": "swish"}, r"activation must be one of .*got 'swish'"),
         ({"norm_first": "yes"}, r"norm_first must be a bool, got 'yes'"),
         ({"final_norm": 1}, r"final_norm must be a bool, got 1"),
