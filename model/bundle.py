@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -50,6 +49,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # max |fp32|); measured values are in model/encoder.py's docstring and held by test_model_numerics.
 RELATIVE_ERROR_BOUND = {"bfloat16": 0.03, "float16": 0.005}
 _FP32_ATOL = 1e-5  # scripted vs eager at export
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class BundleError(Exception):
@@ -135,7 +135,7 @@ def _ranges(value: Any, d_model: int) -> tuple[tuple[float, ...], tuple[float, .
     for key in ("min", "max"):
         values = value[key]
         if not isinstance(values, list) or len(values) not in (1, d_model) or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(np.float32(v)))
+                isinstance(v, int | float) and not isinstance(v, bool) and abs(v) <= _FLOAT32_MAX
                 for v in values):
             raise ValueError(f"manifest.quantization_ranges.{key} must list 1 or d_model ({d_model}) finite numbers")
         out.append(tuple(float(v) for v in values))
