@@ -22,7 +22,9 @@ from tritonclient.utils import InferenceServerException
 
 from client import EncoderClient
 from client.errors import InvalidArgument
-from tests.support.helpers import Running
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.codec import from_tensor
+from tests.support.helpers import Running, ids_request
 from tests.support.vectors_reference import PRECISIONS, VectorsReference, assert_quantized_like, load_vectors_reference
 
 MODEL = "all-MiniLM-L6-v2"
@@ -236,3 +238,22 @@ async def test_http_door_kserve_rest_openai_and_tei(served: Running, ref: Vector
         for d in (0, 385, "8"):
             response = await http.post("/embed", json={"inputs": texts, "dimensions": d})
             assert response.status_code == 422 and "dimensions" in response.json()["error"], response.text
+
+
+async def test_chunked_sequences_are_cut_after_stitching(start_server: Any) -> None:
+    """A sequence over the model's length, encoded in windows: its stitched vector is cut, then renormalised."""
+    served = await start_server()  # the tiny model: d_model 32, max_length 64
+    ids = np.arange(1, 101) % 97 + 1
+
+    async def pooled(**output: Any) -> np.ndarray:
+        response = await served.stub.Encode(ids_request(ids, long_inputs=pb.LONG_INPUTS_CHUNK, output=pb.OutputOptions(
+            return_hidden=False, pooling=pb.POOLING_MEAN, **output)), timeout=30)
+        assert response.outputs[0].windows > 1
+        return np.asarray(from_tensor(response.outputs[0].pooled))
+
+    whole = await pooled(normalize=False)
+    cut = await pooled(normalize=True, dimensions=8)
+    np.testing.assert_allclose(cut, whole[:8] / np.linalg.norm(whole[:8]), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(await pooled(normalize=False, dimensions=8), whole[:8], rtol=0, atol=1e-6)
+    bits = await pooled(normalize=True, dimensions=12, quantization=pb.QUANTIZATION_UBINARY)
+    assert bits.dtype == np.uint8 and np.array_equal(bits, np.packbits(whole[:12] > 0))
