@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, Self
 
 import grpc
+import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.channel import (
@@ -41,6 +42,7 @@ from client.messages import (
     LongInputs,
     ModelInfo,
     Pooling,
+    Quantization,
     Sequences,
     StreamRequest,
     Tokenized,
@@ -119,10 +121,11 @@ class _Base:
 def _options(pooling: Pooling | None, return_hidden: bool, output_dtype: DTypeName, attention: bool,
              layers: Iterable[int] | None, heads: Heads, attention_dtype: DTypeName, causal: bool,
              normalize: bool | None, prompt_name: str, truncate: bool, return_tokens: bool,
-             long_inputs: LongInputs | None, stride: int) -> EncodeOptions:
+             long_inputs: LongInputs | None, stride: int, dimensions: int = 0, quantization: Quantization = "none",
+             quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None) -> EncodeOptions:
     return EncodeOptions(pooling, return_hidden, output_dtype, attention, None if layers is None else tuple(layers),
                          heads, attention_dtype, causal, normalize, prompt_name, truncate, return_tokens,
-                         long_inputs, stride)
+                         long_inputs, stride, dimensions, quantization, quantization_ranges)
 
 
 def _health_status(response: health_pb2.HealthCheckResponse) -> str:
@@ -186,6 +189,8 @@ class EncoderClient(_Base):
                      heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
                      normalize: bool | None = None, prompt_name: str = "", truncate: bool = False,
                      return_tokens: bool = False, long_inputs: LongInputs | None = None, stride: int = 0,
+                     dimensions: int = 0, quantization: Quantization = "none",
+                     quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
                      request_id: str = "", timeout: float | None = None) -> EncodeResult:
         """Encode sequences of token ids ([T] integers), embeddings ([T, d_model] floats) or text (str).
 
@@ -211,10 +216,17 @@ class EncoderClient(_Base):
         `attention=True` adds `result.attention`, [L, H, T, T] per sequence: `layers` picks layers
         (negative counts from the end; naming layers implies attention), `heads="mean"` averages
         the heads ([L, 1, T, T]), `attention_dtype` as `output_dtype`. `causal` masks lookahead.
+        `dimensions` keeps the first n values of each pooled vector (Matryoshka; 1..d_model, 0 = all),
+        renormalised when normalised. `quantization` returns pooled vectors as sentence-transformers'
+        `quantize_embeddings` makes them: "int8"/"uint8" (np.int8/np.uint8 arrays [n]) from
+        `quantization_ranges` = (min, max), each one value or one per dimension (None: the model's,
+        `model_info().quantization_ranges`), "binary"/"ubinary" (np.int8/np.uint8 [ceil(n / 8)] of packed
+        sign bits). docs/outputs.md has the details.
         Raises `ClientError` subclasses; `InvalidArgument.field` names the offending input.
         """
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
-                           normalize, prompt_name, truncate, return_tokens, long_inputs, stride)
+                           normalize, prompt_name, truncate, return_tokens, long_inputs, stride, dimensions,
+                           quantization, quantization_ranges)
         loop = asyncio.get_running_loop()
         end = loop.time() + self._deadline(timeout)
         request = await self._build(sequences, options, request_id, end)
@@ -478,10 +490,13 @@ class SyncEncoderClient(_Base):
                heads: Heads = "all", attention_dtype: DTypeName = "float32", causal: bool = False,
                normalize: bool | None = None, prompt_name: str = "", truncate: bool = False,
                return_tokens: bool = False, long_inputs: LongInputs | None = None, stride: int = 0,
+               dimensions: int = 0, quantization: Quantization = "none",
+               quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
                request_id: str = "", timeout: float | None = None) -> EncodeResult:
         """See `EncoderClient.encode`."""
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
-                           normalize, prompt_name, truncate, return_tokens, long_inputs, stride)
+                           normalize, prompt_name, truncate, return_tokens, long_inputs, stride, dimensions,
+                           quantization, quantization_ranges)
         end = time.monotonic() + self._deadline(timeout)
         request = self._request(sequences, options, request_id)
         if self._pooling_unknown(options, request):

@@ -21,13 +21,14 @@ Pooling = Literal["none", "mean", "cls", "model"]
 Heads = Literal["all", "mean"]
 LongInputs = Literal["error", "truncate", "chunk"]
 DTypeName = Literal["float32", "float16", "bfloat16"]
+Quantization = Literal["none", "int8", "uint8", "binary", "ubinary"]
 FloatArray = npt.NDArray[np.floating[Any]]  # float32, or float16 for output_dtype="float16"
 Sequences = Sequence[npt.ArrayLike | str] | npt.NDArray[np.generic]
 """Token ids (1-D integer, [T]), embeddings (2-D float, [T, d_model]) or text (str, for models served with
 a tokenizer), one item per sequence. A 2-D integer array is taken as rows of ids, a 3-D float array as a
 batch of embedding sequences."""
 
-E = TypeVar("E", pb.Pooling, pb.HeadReduction, pb.DType, pb.LongInputs)
+E = TypeVar("E", pb.Pooling, pb.HeadReduction, pb.DType, pb.LongInputs, pb.Quantization)
 
 POOLING: dict[str, pb.Pooling] = {"none": pb.POOLING_NONE, "mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS,
                                   "model": pb.POOLING_MODEL}
@@ -38,6 +39,9 @@ DTYPE_NAMES: tuple[str, ...] = get_args(DTypeName)  # the only names: the librar
 DTYPES: dict[str, pb.DType] = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16,
                                "bfloat16": pb.DTYPE_BFLOAT16}
 assert tuple(DTYPES) == DTYPE_NAMES
+QUANTIZATION: dict[str, pb.Quantization] = {"none": pb.QUANTIZATION_NONE, "int8": pb.QUANTIZATION_INT8,
+                                            "uint8": pb.QUANTIZATION_UINT8, "binary": pb.QUANTIZATION_BINARY,
+                                            "ubinary": pb.QUANTIZATION_UBINARY}
 
 
 def _choice(name: str, value: str, table: dict[str, E]) -> E:
@@ -66,12 +70,20 @@ class EncodeOptions:
     return_tokens: bool = False
     long_inputs: LongInputs | None = None
     stride: int = 0  # long_inputs="chunk": tokens between window starts; 0 = the server's default
+    dimensions: int = 0  # keep the pooled vector's first n values (renormalised when normalised); 0 = all
+    quantization: Quantization = "none"
+    quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None  # int8/uint8: (min, max); None: the model's
 
     def to_proto(self, text: bool = False) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
         pooling = self.pooling if self.pooling is not None else "model" if text else "none"
         output = pb.OutputOptions(return_hidden=self.return_hidden, pooling=_choice("pooling", pooling, POOLING),
                                   dtype=_choice("output_dtype", self.output_dtype, DTYPES),
-                                  prompt_name=self.prompt_name, return_tokens=self.return_tokens)
+                                  prompt_name=self.prompt_name, return_tokens=self.return_tokens,
+                                  dimensions=self.dimensions,
+                                  quantization=_choice("quantization", self.quantization, QUANTIZATION))
+        if self.quantization_ranges is not None:
+            low, high = (np.asarray(r, np.float64).reshape(-1).tolist() for r in self.quantization_ranges)
+            output.quantization_ranges.CopyFrom(pb.QuantizationRanges(min=low, max=high))
         if self.normalize is not None:
             output.normalize = self.normalize
         # Naming layers is asking for attention.
@@ -174,11 +186,12 @@ class ResponseMetadata:
 @dataclass(frozen=True)
 class EncodeResult:
     """One call's outputs, per sequence and in request order. A list is empty when that output was
-    not asked for: `hidden` ([T, d_model] each) unless return_hidden=False, `pooled` ([d_model]
-    each) when pooling != "none", `attention` ([L, H or 1, T, T] each) when attention was asked."""
+    not asked for: `hidden` ([T, d_model] each) unless return_hidden=False, `pooled` ([d_model], or
+    [dimensions]; int8/uint8 when quantized: [dimensions / 8] packed bits for binary/ubinary) each when
+    pooling != "none", `attention` ([L, H or 1, T, T] each) when attention was asked."""
 
     hidden: list[FloatArray]
-    pooled: list[FloatArray]
+    pooled: list[npt.NDArray[Any]]  # float, or int8/uint8 (quantization)
     attention: list[FloatArray]
     nonfinite: list[bool]  # the reduced-precision output was NaN/Inf; the values are its fp32 re-run
     metadata: ResponseMetadata
@@ -262,6 +275,8 @@ class ModelInfo:
     attention_scale: float = 0.0  # the scale the model's attention scores use
     standard_scale: bool = True  # ... 1/sqrt(d_head); False: the model was trained with another
     relative_bias: str = "none"  # none | shared | per_layer
+    # The bundle's int8/uint8 calibration (min, max): d_model values each, or one pair; None: calls send their own.
+    quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -273,7 +288,9 @@ class ModelInfo:
                         int(t.max_text_chars)) if t.accepted else None
         return cls(m.name, m.version, m.checksum, int(m.d_model), int(m.n_heads), int(m.n_layers),
                    int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text,
-                   float(m.attention_scale), bool(m.standard_scale), m.relative_bias or "none")
+                   float(m.attention_scale), bool(m.standard_scale), m.relative_bias or "none",
+                   (tuple(m.quantization_ranges.min), tuple(m.quantization_ranges.max))
+                   if m.HasField("quantization_ranges") else None)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +49,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # max |fp32|); measured values are in model/encoder.py's docstring and held by test_model_numerics.
 RELATIVE_ERROR_BOUND = {"bfloat16": 0.03, "float16": 0.005}
 _FP32_ATOL = 1e-5  # scripted vs eager at export
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 class BundleError(Exception):
@@ -76,11 +78,19 @@ class Manifest:
     source: str
     format_version: int = FORMAT_VERSION
     text: TextSettings | None = None  # text bundles only (format_version 2)
+    # Optional: int8/uint8 calibration, {"min": [...], "max": [...]} (d_model values each, or one; finite,
+    # min < max): each dimension's range over a representative set of the model's pooled vectors.
+    quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["config"] = self.config.to_dict()
         d["validated_precisions"] = list(self.validated_precisions)
+        if self.quantization_ranges is None:
+            del d["quantization_ranges"]  # optional: absent unless stated
+        else:
+            d["quantization_ranges"] = {"min": list(self.quantization_ranges[0]),
+                                        "max": list(self.quantization_ranges[1])}
         if self.text is None:
             del d["text"]  # the exact key set of format 1, which servers before text input check
         else:
@@ -100,7 +110,7 @@ class Manifest:
             raise ValueError(f"manifest format_version {version} is not supported without its text settings "
                              "(format 2 is a text bundle's)")
         fields = {f.name for f in dataclasses.fields(cls)} - ({"text"} if version == FORMAT_VERSION else set())
-        missing = sorted(fields - set(data))
+        missing = sorted(fields - set(data) - {"quantization_ranges"})
         unknown = sorted(set(data) - fields)
         if missing or unknown:
             raise ValueError(f"manifest has missing keys {missing} and unknown keys {unknown}")
@@ -111,8 +121,28 @@ class Manifest:
         if not isinstance(precisions, list) or not all(p in DTYPES for p in precisions):
             raise ValueError(f"manifest.validated_precisions must list names from {list(DTYPES)}, got {precisions!r}")
         text = TextSettings.from_dict(data["text"]) if version == TEXT_FORMAT_VERSION else None
-        return cls(**{**data, "config": EncoderConfig.from_dict(data["config"]),
-                      "validated_precisions": tuple(precisions), "text": text})
+        config = EncoderConfig.from_dict(data["config"])
+        ranges = _ranges(data["quantization_ranges"], config.d_model) if "quantization_ranges" in data else None
+        return cls(**{**data, "config": config, "validated_precisions": tuple(precisions), "text": text,
+                      "quantization_ranges": ranges})
+
+
+def _ranges(value: Any, d_model: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """manifest.quantization_ranges, checked as a call's ranges are (service/vectors.py check_ranges)."""
+    if not isinstance(value, Mapping) or set(value) != {"min", "max"}:
+        raise ValueError("manifest.quantization_ranges must be an object {\"min\": [...], \"max\": [...]}")
+    out = []
+    for key in ("min", "max"):
+        values = value[key]
+        if not isinstance(values, list) or len(values) not in (1, d_model) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and abs(v) <= _FLOAT32_MAX
+                for v in values):
+            raise ValueError(f"manifest.quantization_ranges.{key} must list 1 or d_model ({d_model}) finite numbers")
+        out.append(tuple(float(v) for v in values))
+    low, high = out
+    if len(low) != len(high) or not all(np.float32(a) < np.float32(b) for a, b in zip(low, high, strict=True)):
+        raise ValueError("manifest.quantization_ranges: min and max must be as long and min < max in each dimension")
+    return low, high
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,5 @@ class ModelSpec:
     max_batch_tokens: int = 0  # the batch budget in force (service/engine.py batch_budget); 0: not yet chosen
     batch_reason: str = ""  # configured, a device default, or the measured curve and the choice
     batch_curve: dict[int, float] = field(default_factory=dict)  # warm-up: batch tokens -> tokens/s
+    # The manifest's int8/uint8 calibration: (min, max), d_model values each or one pair; None: not stated.
+    quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None

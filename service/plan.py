@@ -18,6 +18,7 @@ time. `plan_call` plans a big call (much text, many tokens) in a worker thread, 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -26,10 +27,23 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from service.chunking import CHUNK, ERROR, MODES, REFUSE, TRUNCATE, Chunked, LongInputs, choose, sequences, truncated
+from service.chunking import (
+    CHUNK,
+    ERROR,
+    MODES,
+    REFUSE,
+    TRUNCATE,
+    Chunked,
+    LongInputs,
+    choose,
+    sequences,
+    stitch_all,
+    truncated,
+)
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput, shown
-from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec
+from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
+from service.vectors import VectorFields, Vectors, plan_vectors
 
 if TYPE_CHECKING:
     from model.text import Encoded
@@ -69,6 +83,9 @@ class Ask:
     chunk_stride: int = 0
     prompt_name: str = ""
     return_tokens: bool = False
+    dimensions: int | None = None  # Matryoshka: the pooled vector's first n values (service/vectors.py); None: all
+    quantization: str = "none"  # none | int8 | uint8 | binary | ubinary, of the pooled vector
+    quantization_ranges: tuple[Sequence[float], Sequence[float]] | None = None  # (min, max); None: the model's
 
 
 @dataclass(frozen=True)
@@ -94,6 +111,14 @@ class Names:
     long_inputs: str = "long_inputs"
     chunk_stride: str = "chunk_stride"
     texts: str = "sequences"  # all the call's text together (its character limit)
+    dimensions: str = "output.dimensions"
+    quantization: str = "output.quantization"
+    ranges: str = "output.quantization_ranges"
+    ranges_min: str = "output.quantization_ranges.min"
+    ranges_max: str = "output.quantization_ranges.max"
+
+    def vector_fields(self) -> VectorFields:
+        return VectorFields(self.dimensions, self.quantization, self.ranges, self.ranges_min, self.ranges_max)
 
     def of(self, i: int, kind: str) -> str:
         return self.sequence.format(i=i, kind=dict(self.kinds)[kind])
@@ -122,6 +147,23 @@ class Plan:
     return_tokens: bool = False
     chunks: tuple[Chunked | None, ...] = ()  # per sequence, when the call chunks one: its windows (None: whole)
     truncated: tuple[bool, ...] = ()  # per sequence, when the call cut ids or embeddings: whether it did
+    vectors: Vectors | None = None  # the pooled vectors' dimensions and quantization; None: as computed
+
+    def finish(self, outputs: Sequence[Output]) -> list[Output]:
+        """The output stage: the jobs' outputs (a chunked sequence's windows each) -> one per sequence of
+        the call, windows stitched, pooled vectors cut and quantized as asked (service/vectors.py)."""
+        out = stitch_all(self.chunks, outputs) if self.chunks else list(outputs)
+        vectors = self.vectors
+        if vectors is None:
+            return out
+        return [o if o.pooled is None else dataclasses.replace(o, pooled=vectors.apply(o.pooled)) for o in out]
+
+    def pooled_size(self, d_model: int) -> tuple[int, int]:
+        """The pooled vector's (values, bytes per value) in the response."""
+        vectors = self.vectors
+        if vectors is None:
+            return d_model, ITEMSIZE[self.output_dtype]
+        return vectors.width, 1 if vectors.dtype is not None else ITEMSIZE[self.output_dtype]
 
     @property
     def tokens(self) -> int:
@@ -183,6 +225,11 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
     long = _long_inputs(ask, spec, names)
     texts = _tokenize(ask, spec, config, long, names)
     pooling, normalize = _pooling(ask, spec, names)
+    vectors = plan_vectors(dimensions=ask.dimensions, quantization=ask.quantization, ranges=ask.quantization_ranges,
+                           pooled=pooling != POOL_NONE, normalize=normalize, d_model=spec.d_model,
+                           model_ranges=spec.quantization_ranges, fields=names.vector_fields())
+    if vectors is not None and vectors.cut:
+        normalize = False  # normalised after the cut, over the values kept (service/vectors.py)
     if ask.heads not in HEADS:
         raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
     layers = _attention_layers(ask, spec, config, names)
@@ -211,9 +258,10 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
         jobs.append(job)
     if windows:
         jobs, chunks, cut = _fit(jobs, windows, long, names, lambda i: names.of(i, _kind(inputs[i])))
-        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut)
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut,
+                      vectors=vectors)
     else:
-        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens)
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, vectors=vectors)
     _check_sizes(fitted, spec, config, names, response_size)
     return fitted
 
@@ -455,6 +503,7 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
     batch facts are taken at their widest."""
     out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
     D = spec.d_model
+    pooled_values, pooled_size = plan.pooled_size(D)
     total = _field(len(plan.request_id.encode()))
     for job in plan.sequences:
         T = job.length
@@ -462,7 +511,7 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
         if job.return_hidden:
             body += _tensor_field((T, D), out_size)
         if job.pooling:
-            body += _tensor_field((D,), out_size)
+            body += _tensor_field((pooled_values,), pooled_size)
         if job.attn_layers:
             heads = 1 if job.heads_mean else spec.n_heads
             body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)

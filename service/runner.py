@@ -103,6 +103,7 @@ class Runner:
             precision=self.precision, device=str(self.device), tokenizer=bundle.tokenizer,
             attention_scale=cfg.scale, standard_scale=cfg.attention_scale is None, relative_bias=cfg.relative_bias,
             precision_reason=choice.reason, precision_forward_ms=choice.forward_ms,
+            quantization_ranges=m.quantization_ranges,
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)

@@ -27,7 +27,6 @@ from proto.attention.v1.codec import (
     from_tensor,
 )
 from service.batching import Done
-from service.chunking import stitch_all
 from service.config import ServiceConfig
 from service.doors.calls import Calls, parse, public, remaining
 from service.errors import InvalidInput, NonFiniteInput, ServiceError, status_of
@@ -53,6 +52,9 @@ _DTYPE = {pb.DTYPE_UNSPECIFIED: "float32", pb.DTYPE_FLOAT32: "float32", pb.DTYPE
 _WIRE_DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16, "bfloat16": pb.DTYPE_BFLOAT16}
 _POOLING = {pb.POOLING_NONE: "none", pb.POOLING_MEAN: "mean", pb.POOLING_CLS: "cls", pb.POOLING_MODEL: "model"}
 _HEADS = {pb.HEADS_ALL: "all", pb.HEADS_MEAN: "mean"}
+_QUANTIZATION = {pb.QUANTIZATION_NONE: "none", pb.QUANTIZATION_INT8: "int8", pb.QUANTIZATION_UINT8: "uint8",
+                 pb.QUANTIZATION_BINARY: "binary", pb.QUANTIZATION_UBINARY: "ubinary"}
+_QUANTIZED_DTYPE = {"int8": pb.DTYPE_INT8, "uint8": pb.DTYPE_UINT8}
 _LONG = {pb.LONG_INPUTS_UNSPECIFIED: None, pb.LONG_INPUTS_ERROR: "error", pb.LONG_INPUTS_TRUNCATE: "truncate",
          pb.LONG_INPUTS_CHUNK: "chunk"}
 
@@ -127,9 +129,7 @@ class AttentionServicer:
             self._metrics.nonfinite_inputs.inc()
             raise
         done = await self._calls.compute(plan.jobs, seconds)
-        outputs = [d.output for d in done]
-        if plan.chunks:
-            outputs = stitch_all(plan.chunks, outputs)
+        outputs = plan.finish([d.output for d in done])
         check_representable(outputs, plan.output_dtype, plan.attention_dtype)
         return _response(plan, done, outputs, spec)
 
@@ -158,6 +158,7 @@ class AttentionServicer:
             precision_reason=spec.precision_reason, precision_forward_ms=spec.precision_forward_ms,
             batch_budget=pb.BatchBudget(max_batch_tokens=spec.max_batch_tokens, reason=spec.batch_reason,
                                         tokens_per_second=spec.batch_curve),
+            quantization_ranges=_ranges(spec.quantization_ranges),
             limits=pb.Limits(
                 max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
@@ -183,6 +184,10 @@ class AttentionServicer:
         })
 
 
+def _ranges(ranges: tuple[tuple[float, ...], tuple[float, ...]] | None) -> pb.QuantizationRanges | None:
+    return None if ranges is None else pb.QuantizationRanges(min=ranges[0], max=ranges[1])
+
+
 def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
     """A failed EncodeStream request's answer: the same code and message a unary call would get."""
     return pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
@@ -206,6 +211,8 @@ def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec:
     m.precision, m.device, m.model_name, m.model_version = spec.precision, spec.device, spec.name, spec.version
     sequences = plan.sequences
     output_dtype, attention_dtype = _WIRE_DTYPE[plan.output_dtype], _WIRE_DTYPE[plan.attention_dtype]
+    quantized = plan.vectors.dtype if plan.vectors is not None else None
+    pooled_dtype = output_dtype if quantized is None else _QUANTIZED_DTYPE[quantized]
     for i, out in enumerate(outputs):
         # Filled in place: building submessages and then the response from them copies every tensor twice.
         text = plan.texts[i] if plan.texts else None
@@ -218,7 +225,7 @@ def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec:
         if out.hidden is not None:
             fill_tensor(seq.hidden, out.hidden, output_dtype)
         if out.pooled is not None:
-            fill_tensor(seq.pooled, out.pooled, output_dtype)
+            fill_tensor(seq.pooled, out.pooled, pooled_dtype)
         if out.attention is not None:
             fill_tensor(seq.attention, out.attention, attention_dtype)
     return response
@@ -231,7 +238,8 @@ def ask_of(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) ->
     out, att = request.output, request.attention
     for value, table, field in ((out.dtype, _DTYPE, "output.dtype"), (att.dtype, _DTYPE, "attention.dtype"),
                                 (out.pooling, _POOLING, "output.pooling"), (att.heads, _HEADS, "attention.heads"),
-                                (request.long_inputs, _LONG, "long_inputs")):
+                                (request.long_inputs, _LONG, "long_inputs"),
+                                (out.quantization, _QUANTIZATION, "output.quantization")):
         if value not in table:
             name = dtype_name(value) if table is _DTYPE else str(value)
             raise InvalidInput(field, f"unknown value {name}" if table is not _DTYPE else
@@ -247,6 +255,9 @@ def ask_of(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) ->
         heads=_HEADS[att.heads], attention_dtype=_DTYPE[att.dtype], causal=request.causal,
         long_inputs=_LONG[request.long_inputs], truncate=request.truncate, chunk_stride=request.chunk_stride,
         prompt_name=out.prompt_name, return_tokens=out.return_tokens,
+        dimensions=out.dimensions or None, quantization=_QUANTIZATION[out.quantization],
+        quantization_ranges=(tuple(out.quantization_ranges.min), tuple(out.quantization_ranges.max))
+        if out.HasField("quantization_ranges") else None,
     )
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from tritonclient.grpc import service_pb2 as v2
 
 from proto.attention.v1.codec import float32_to_bfloat16_bits
 from service.batching import Done
-from service.chunking import ERROR, MODES, TRUNCATE, stitch_all
+from service.chunking import ERROR, MODES, TRUNCATE
 from service.config import ServiceConfig
 from service.doors.calls import Calls, parse, public, remaining
 from service.errors import FailedPrecondition, InvalidInput, NotFound, NotReady, ServiceError, shown, status_of
@@ -65,6 +66,7 @@ from service.plan import (
     plan_call,
     takes_text,
 )
+from service.vectors import QUANTIZATIONS
 
 if TYPE_CHECKING:
     pass
@@ -86,7 +88,9 @@ _POOLINGS = ("mean", "cls", "model")  # model: a text bundle's own
 _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
-                         "chunk_stride"}) | _IGNORED
+                         "chunk_stride", "dimensions", "quantization", "quantization_min",
+                         "quantization_max"}) | _IGNORED
+_QUANTIZED = {"int8": "INT8", "binary": "INT8", "uint8": "UINT8", "ubinary": "UINT8"}  # the pooled output's datatype
 
 
 @dataclass(frozen=True)
@@ -327,13 +331,14 @@ class KServeServicer:
 
         plan = await plan_call(ask, spec, self._config, names, sizes)
         T = padded_to or max(job.length for job in plan.sequences)
+        if plan.vectors is not None and plan.vectors.dtype is not None:  # quantized: INT8 or UINT8, not a float
+            outputs = {name: _QUANTIZED[plan.vectors.quantization] if name in (POOLED, EMBEDDINGS) else datatype
+                       for name, datatype in outputs.items()}
         done = await self._calls.compute(plan.jobs, seconds)
-        results = [d.output for d in done]
-        if plan.chunks:
-            results = stitch_all(plan.chunks, results)
+        results = plan.finish([d.output for d in done])
         for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
             arrays = [a for r in results if (a := _array_of(r, name)) is not None]
-            check_arrays(name, arrays, _FLOAT_TYPES[datatype])
+            check_arrays(name, arrays, _FLOAT_TYPES.get(datatype, "float32"))
         response = _response(request, spec, done, results, outputs, T)
         if any(plan.cut(i) for i in range(len(results))):
             response.parameters["truncated"].bool_param = True
@@ -350,7 +355,9 @@ IDS_NAMES = Names(
     prompt_name="parameters.prompt_name", return_attention=ATTENTION, attention=ATTENTION,
     attention_layers="attention_layers", heads="parameters.attention_heads",
     attention_dtype="parameters.attention_datatype", long_inputs="parameters.long_inputs",
-    chunk_stride="parameters.chunk_stride", texts=TEXT)
+    chunk_stride="parameters.chunk_stride", texts=TEXT, dimensions="parameters.dimensions",
+    quantization="parameters.quantization", ranges="parameters.quantization_min",
+    ranges_min="parameters.quantization_min", ranges_max="parameters.quantization_max")
 TEXT_NAMES = dataclasses.replace(IDS_NAMES, sequences=TEXT)
 
 
@@ -362,7 +369,7 @@ def _sizes(plan: Plan, spec: ModelSpec, padded_to: int) -> Sizes:
     """A KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope."""
     per_value = ITEMSIZE[plan.output_dtype]
     hidden = sum(padded_to for job in plan.sequences if job.return_hidden) * spec.d_model * per_value
-    pooled = sum(1 for job in plan.sequences if job.pooling) * spec.d_model * per_value
+    pooled = sum(1 for job in plan.sequences if job.pooling) * math.prod(plan.pooled_size(spec.d_model))
     attention = attention_bytes(plan, spec, padded_to)
     return Sizes(attention, hidden + pooled + attention + 1024 + len(plan.request_id))  # + names, shapes, params
 
@@ -400,6 +407,38 @@ def _int_param(params: dict[str, Any], name: str, default: int) -> int:
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {shown(value)}")
+    return value
+
+
+def _floats_param(params: dict[str, Any], name: str) -> tuple[float, ...] | None:
+    """`quantization_min` / `_max`: a number (one for every dimension), or a string of comma-separated
+    numbers, one per dimension; absent = None. The plan checks the count, finiteness and order."""
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (float(value),)
+    try:
+        if isinstance(value, str) and len(value) <= 1 << 18:
+            return tuple(float(part) for part in value.split(","))
+    except ValueError:
+        pass
+    raise InvalidInput(f"parameters.{name}", "must be a number or comma-separated numbers (one per dimension); "
+                       f"got {shown(value)}")
+
+
+def _ranges(params: dict[str, Any]) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    low, high = _floats_param(params, "quantization_min"), _floats_param(params, "quantization_max")
+    if (low is None) != (high is None):
+        missing = "quantization_max" if high is None else "quantization_min"
+        raise InvalidInput(f"parameters.{missing}", "required with the other bound of the calibration ranges")
+    return None if low is None or high is None else (low, high)
+
+
+def _dimensions(params: dict[str, Any]) -> int | None:
+    value = params.get("dimensions")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidInput("parameters.dimensions", f"must be an integer; got {shown(value)}")
     return value
 
 
@@ -450,6 +489,8 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
         attention_dtype=_DTYPE[outputs.get(ATTENTION, "FP32")],
         long_inputs=_str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None,
         truncate=truncate, chunk_stride=_int_param(params, "chunk_stride", 0), prompt_name=prompt,
+        dimensions=_dimensions(params), quantization=_str_param(params, "quantization", QUANTIZATIONS, "none"),
+        quantization_ranges=_ranges(params),
     )
 
 
@@ -661,6 +702,8 @@ def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequ
 
 
 def _encode(array: np.ndarray, datatype: str) -> bytes:
+    if datatype in ("INT8", "UINT8"):
+        return np.ascontiguousarray(array, "i1" if datatype == "INT8" else "u1").tobytes()
     if datatype == "BF16":
         return bytes(float32_to_bfloat16_bits(array).tobytes())
     return np.ascontiguousarray(array, "<f2" if datatype == "FP16" else "<f4").tobytes()

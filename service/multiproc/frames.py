@@ -214,6 +214,8 @@ def read_hello(body: memoryview) -> tuple[ModelSpec, int, str]:
                                   source="the model process's tokenizer")
     spec = data["spec"]
     spec["batch_curve"] = {int(tokens): rate for tokens, rate in spec.get("batch_curve", {}).items()}  # JSON keys
+    if spec.get("quantization_ranges") is not None:  # JSON made the tuples lists
+        spec["quantization_ranges"] = tuple(tuple(values) for values in spec["quantization_ranges"])
     return ModelSpec(**spec, tokenizer=tokenizer), int(data["workers"]), str(data["auth_tokens"])
 
 

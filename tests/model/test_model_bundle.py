@@ -128,6 +128,12 @@ def test_corrupted_model_is_refused_with_both_hashes(bundle_dir: Path, tmp_path:
         (lambda d: _edit_manifest(d, validated_precisions=["int8"]), r"validated_precisions must list"),
         (lambda d: _edit_manifest(d, config={"d_model": 33}), r"d_model=33 must be divisible by n_heads=4"),
         (lambda d: _edit_manifest(d, extra=1), r"unknown keys \['extra'\]"),
+        (lambda d: _edit_manifest(d, quantization_ranges=[0, 1]), r"quantization_ranges must be an object"),
+        (lambda d: _edit_manifest(d, quantization_ranges={"min": [0.0] * 3, "max": [1.0] * 3}),
+         r"quantization_ranges\.min must list 1 or d_model \(32\)"),
+        (lambda d: _edit_manifest(d, quantization_ranges={"min": [0.0], "max": [float("nan")]}),
+         r"quantization_ranges\.max must list"),
+        (lambda d: _edit_manifest(d, quantization_ranges={"min": [1.0], "max": [1.0]}), r"min < max"),
     ],
 )
 def test_bad_bundles_are_refused(bundle_dir: Path, tmp_path: Path, mutate, match: str) -> None:  # noqa: ANN001
@@ -136,6 +142,17 @@ def test_bad_bundles_are_refused(bundle_dir: Path, tmp_path: Path, mutate, match
     mutate(tmp_path)
     with pytest.raises(BundleError, match=match):
         load_bundle(tmp_path)
+
+
+def test_calibration_ranges_are_optional_and_round_trip(bundle_dir: Path, tmp_path: Path) -> None:
+    assert "quantization_ranges" not in read_manifest(bundle_dir).to_dict()  # absent unless stated
+    for name in (MANIFEST_FILE, MODEL_FILE):
+        (tmp_path / name).write_bytes((bundle_dir / name).read_bytes())
+    low, high = [-0.5 + i / 100 for i in range(32)], [0.5] * 32
+    _edit_manifest(tmp_path, quantization_ranges={"min": low, "max": high})
+    manifest = load_bundle(tmp_path).manifest
+    assert manifest.quantization_ranges == (tuple(low), tuple(high))
+    assert Manifest.from_dict(manifest.to_dict()) == manifest
 
 
 def _edit_manifest(directory: Path, **changes: object) -> None:

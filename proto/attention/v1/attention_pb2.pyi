@@ -15,6 +15,8 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
 
 class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +24,14 @@ class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_MEAN: _ClassVar[Pooling]
     POOLING_CLS: _ClassVar[Pooling]
     POOLING_MODEL: _ClassVar[Pooling]
+
+class Quantization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUANTIZATION_NONE: _ClassVar[Quantization]
+    QUANTIZATION_INT8: _ClassVar[Quantization]
+    QUANTIZATION_UINT8: _ClassVar[Quantization]
+    QUANTIZATION_BINARY: _ClassVar[Quantization]
+    QUANTIZATION_UBINARY: _ClassVar[Quantization]
 
 class HeadReduction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,10 +50,17 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
+DTYPE_INT8: DType
+DTYPE_UINT8: DType
 POOLING_NONE: Pooling
 POOLING_MEAN: Pooling
 POOLING_CLS: Pooling
 POOLING_MODEL: Pooling
+QUANTIZATION_NONE: Quantization
+QUANTIZATION_INT8: Quantization
+QUANTIZATION_UINT8: Quantization
+QUANTIZATION_BINARY: Quantization
+QUANTIZATION_UBINARY: Quantization
 HEADS_ALL: HeadReduction
 HEADS_MEAN: HeadReduction
 LONG_INPUTS_UNSPECIFIED: LongInputs
@@ -72,20 +89,34 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens")
+    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens", "dimensions", "quantization", "quantization_ranges")
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_RANGES_FIELD_NUMBER: _ClassVar[int]
     return_hidden: bool
     pooling: Pooling
     dtype: DType
     normalize: bool
     prompt_name: str
     return_tokens: bool
-    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ...) -> None: ...
+    dimensions: int
+    quantization: Quantization
+    quantization_ranges: QuantizationRanges
+    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ..., dimensions: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ...) -> None: ...
+
+class QuantizationRanges(_message.Message):
+    __slots__ = ("min", "max")
+    MIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FIELD_NUMBER: _ClassVar[int]
+    min: _containers.RepeatedScalarFieldContainer[float]
+    max: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, min: _Optional[_Iterable[float]] = ..., max: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AttentionOptions(_message.Message):
     __slots__ = ("return_attention", "layers", "heads", "dtype")
@@ -231,7 +262,7 @@ class TextInfo(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., default_prompt_name: _Optional[str] = ..., tokenizer_checksum: _Optional[str] = ..., max_text_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget")
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges")
     class PrecisionForwardMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +289,7 @@ class ModelInfo(_message.Message):
     PRECISION_REASON_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_RANGES_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     checksum: str
@@ -277,7 +309,8 @@ class ModelInfo(_message.Message):
     precision_reason: str
     precision_forward_ms: _containers.ScalarMap[str, float]
     batch_budget: BatchBudget
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ...) -> None: ...
+    quantization_ranges: QuantizationRanges
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ...) -> None: ...
 
 class BatchBudget(_message.Message):
     __slots__ = ("max_batch_tokens", "reason", "tokens_per_second")

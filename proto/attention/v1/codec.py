@@ -20,9 +20,12 @@ _NUMPY_OF: dict[int, np.dtype[Any]] = {
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_INT32: np.dtype("<i4"),
     pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT8: np.dtype("i1"),  # quantized pooled vectors
+    pb.DTYPE_UINT8: np.dtype("u1"),
 }
 ITEMSIZE: dict[int, int] = {
     pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT16: 2, pb.DTYPE_BFLOAT16: 2, pb.DTYPE_INT32: 4, pb.DTYPE_INT64: 8,
+    pb.DTYPE_INT8: 1, pb.DTYPE_UINT8: 1,
 }
 FLOAT_DTYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 INT_DTYPES = (pb.DTYPE_INT32, pb.DTYPE_INT64)
@@ -71,7 +74,7 @@ def fill_tensor(tensor: pb.Tensor, array: np.ndarray, dtype: int | None = None) 
     if dtype is None:
         key = array.dtype.newbyteorder("=")
         if key not in _DTYPE_OF_NUMPY:
-            raise TensorError(f"unsupported array dtype {array.dtype}; use float32/float16/int32/int64")
+            raise TensorError(f"unsupported array dtype {array.dtype}; use float32/float16/int32/int64/int8/uint8")
         dtype = _DTYPE_OF_NUMPY[key]
     if dtype == pb.DTYPE_BFLOAT16:
         data = float32_to_bfloat16_bits(array).tobytes()

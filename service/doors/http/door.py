@@ -31,12 +31,11 @@ from google.protobuf import json_format
 
 from model.text import special_ids
 from proto.attention.v1 import attention_pb2 as pb
-from service.chunking import stitch_all
 from service.config import ServiceConfig
 from service.doors.attention_v1 import AttentionServicer
 from service.doors.calls import Calls, being_cancelled
 from service.doors.http import kserve_rest, openai, tei
-from service.doors.http.inputs import Inputs, dimensions, json_size, names
+from service.doors.http.inputs import Inputs, json_size, names
 from service.doors.http.wire import (
     JSON,
     Dialect,
@@ -232,22 +231,21 @@ class HttpDoor:
         return spec
 
     async def _pooled(self, inputs: Inputs, field: str, *, normalize: bool | None, truncate: bool = False,
-                      prompt_name: str = "", hidden: bool = False) -> tuple[Plan, list[np.ndarray]]:
-        """Plan and compute `inputs`: the plan, and each sequence's pooled vector (or its hidden states).
-        Pooling: a text bundle's own, else mean."""
+                      prompt_name: str = "", hidden: bool = False,
+                      dimensions: int | None = None) -> tuple[Plan, list[np.ndarray]]:
+        """Plan and compute `inputs`: the plan, and each sequence's pooled vector (cut to `dimensions`)
+        or its hidden states. Pooling: a text bundle's own, else mean."""
         spec = self._spec()
         ask = Ask(inputs=inputs, return_hidden=hidden, normalize=None if hidden else normalize,
                   pooling="none" if hidden else "model" if spec.tokenizer is not None else "mean",
-                  truncate=truncate, prompt_name=prompt_name)
+                  truncate=truncate, prompt_name=prompt_name, dimensions=dimensions)
         try:
             plan = await plan_call(ask, spec, self._config, names(field), json_size)
         except NonFiniteInput:
             self._metrics.nonfinite_inputs.inc()
             raise
         done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
-        outputs = [d.output for d in done]
-        if plan.chunks:
-            outputs = stitch_all(plan.chunks, outputs)
+        outputs = plan.finish([d.output for d in done])
         check_representable(outputs, plan.output_dtype, plan.attention_dtype)
         arrays = [out.hidden if hidden else out.pooled for out in outputs]
         assert all(a is not None for a in arrays), "an output asked for is missing. This is a bug."
@@ -258,11 +256,11 @@ class HttpDoor:
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         spec = self._spec()
-        call = openai.decode(body, spec.d_model)
+        call = openai.decode(body)
         openai.check_model(call, spec.name)
         # OpenAI's vectors are unit vectors: a model without a tokenizer's own defaults normalises them too.
         normalize = None if spec.tokenizer is not None else True
-        plan, vectors = await self._pooled(call.inputs, "input", normalize=normalize)
+        plan, vectors = await self._pooled(call.inputs, "input", normalize=normalize, dimensions=call.dimensions)
         return json_response(openai.encode(call, plan.sequences, vectors, spec.name))
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
@@ -276,17 +274,16 @@ class HttpDoor:
     async def _embed(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         spec = self._spec()
-        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, d_model=spec.d_model,
-                                side=self._side(spec))
+        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=self._side(spec))
         _, vectors = await self._pooled(call.inputs, "inputs", normalize=call.normalize, truncate=call.truncate,
-                                        prompt_name=call.prompt_name)
-        return json_response([np.asarray(v, np.float32).tolist() for v in dimensions(vectors, call.dimensions)])
+                                        prompt_name=call.prompt_name, dimensions=call.dimensions)
+        return json_response([np.asarray(v, np.float32).tolist() for v in vectors])
 
     async def _embed_all(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         spec = self._spec()
-        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, d_model=spec.d_model,
-                                side=self._side(spec), all_tokens=True)
+        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=self._side(spec),
+                                all_tokens=True)
         _, hidden = await self._pooled(call.inputs, "inputs", normalize=None, truncate=call.truncate,
                                        prompt_name=call.prompt_name, hidden=True)
         return json_response([np.asarray(h, np.float32).tolist() for h in hidden])

@@ -5,8 +5,6 @@ size of a JSON response (service/plan.py checks it against max_message_bytes bef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from service.errors import InvalidInput
@@ -52,7 +50,7 @@ def names(field: str) -> Names:
     """The plan's field names as an HTTP body names them: `input[2]`, `input[2][5]`, `prompt_name`."""
     return Names(sequences=field, sequence=field + "[{i}]", element="{sequence}[{j}]", texts=field,
                  output="body", pooling="pooling", normalize="normalize", dtype="dtype",
-                 prompt_name="prompt_name", long_inputs="truncate", chunk_stride="truncate")
+                 prompt_name="prompt_name", long_inputs="truncate", chunk_stride="truncate", dimensions="dimensions")
 
 
 # Bytes one float32 takes as JSON text (the longest repr of a float32 as a double, and a comma).
@@ -62,17 +60,8 @@ JSON_FLOAT = 26
 def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
     """An upper bound on the JSON response of `plan` (vectors or token embeddings as float text,
     base64 being shorter), for max_message_bytes."""
-    values = sum((job.length if job.return_hidden else 0) + (1 if job.pooling else 0) for job in plan.sequences)
-    return Sizes(0, values * spec.d_model * JSON_FLOAT + 64 * len(plan.sequences) + 256)
+    pooled = plan.pooled_size(spec.d_model)[0]
+    values = sum((job.length * spec.d_model if job.return_hidden else 0) + (pooled if job.pooling else 0)
+                 for job in plan.sequences)
+    return Sizes(0, values * JSON_FLOAT + 64 * len(plan.sequences) + 256)
 
-
-def dimensions(vectors: Sequence[np.ndarray], dims: int | None) -> list[np.ndarray]:
-    """Matryoshka truncation: the first `dims` values of each vector, renormalised to unit length."""
-    if dims is None:
-        return list(vectors)
-    out = []
-    for v in vectors:
-        cut = np.asarray(v[:dims], np.float32)
-        norm = float(np.linalg.norm(cut))
-        out.append(cut / norm if norm > 0 else cut)
-    return out

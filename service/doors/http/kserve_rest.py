@@ -22,7 +22,7 @@ from service.doors.http.wire import Dialect, json_object, kind, parse_json
 from service.errors import InvalidInput, ServiceError
 
 HEADER = "Inference-Header-Content-Length"
-_DTYPES = {"INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "FP16": "<f2"}
+_DTYPES = {"INT32": "<i4", "INT64": "<i8", "FP32": "<f4", "FP16": "<f2", "INT8": "i1", "UINT8": "u1"}
 _TENSOR_FIELDS = frozenset({"name", "shape", "datatype", "parameters", "data"})
 
 
@@ -213,7 +213,8 @@ def _values(raw: bytes, datatype: str) -> list[Any]:
         bits = np.frombuffer(raw, "<u2")
         values: list[Any] = bfloat16_bits_to_float32(bits).tolist()
         return values
-    listed: list[Any] = np.frombuffer(raw, _DTYPES[datatype]).astype(np.float64).tolist()
+    array = np.frombuffer(raw, _DTYPES[datatype])
+    listed: list[Any] = (array if array.dtype.kind in "iu" else array.astype(np.float64)).tolist()
     return listed
 
 

@@ -3,7 +3,7 @@
 - `input`: a string, an array of strings, an array of token ids, or an array of arrays of token ids;
 - `model`: this service's model name (GET /v1/models lists it); another name is 404 model_not_found;
 - `encoding_format`: "float" (default) or "base64" (little-endian float32 bytes, as OpenAI sends them);
-- `dimensions`: the first n values, renormalised to unit length (1..d_model);
+- `dimensions`: the first n values (1..d_model), renormalised to unit length (the plan's, service/vectors.py);
 - `user`: accepted, not used.
 The vector is the model's pooled embedding: a text bundle's own pooling and normalisation, or, for
 a model without a tokenizer, mean pooling normalised to unit length (OpenAI's vectors are unit vectors).
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.doors.http.inputs import Inputs, decode_inputs, dimensions
+from service.doors.http.inputs import Inputs, decode_inputs
 from service.doors.http.wire import Dialect, field_of, json_object, known_fields, optional
 from service.errors import InvalidInput, NotFound, ServiceError, status_of
 from service.jobs import Job
@@ -49,7 +49,7 @@ class EmbeddingsCall:
     dimensions: int | None
 
 
-def decode(body: Any, d_model: int) -> EmbeddingsCall:
+def decode(body: Any) -> EmbeddingsCall:
     body = json_object(body)
     known_fields(body, FIELDS)
     if "input" not in body:
@@ -63,9 +63,7 @@ def decode(body: Any, d_model: int) -> EmbeddingsCall:
     fmt = optional(body, "encoding_format", str, "float", "\"float\" or \"base64\"")
     if fmt not in ("float", "base64"):
         raise InvalidInput("encoding_format", "must be \"float\" or \"base64\"")
-    dims = optional(body, "dimensions", int, None, "an integer")
-    if dims is not None and not 1 <= dims <= d_model:
-        raise InvalidInput("dimensions", f"must be in 1..{d_model} (the model's width); got {dims}")
+    dims = optional(body, "dimensions", int, None, "an integer")  # its range: the plan's check
     optional(body, "user", str, "", "a string")
     return EmbeddingsCall(inputs, model, fmt == "base64", dims)
 
@@ -82,7 +80,7 @@ def _shown(name: str) -> str:
 def encode(call: EmbeddingsCall, sequences: Sequence[Job], vectors: Sequence[np.ndarray],
            model: str) -> dict[str, Any]:
     data = []
-    for i, v in enumerate(dimensions(vectors, call.dimensions)):
+    for i, v in enumerate(vectors):
         v = np.asarray(v, "<f4")
         embedding: Any = base64.b64encode(v.tobytes()).decode() if call.base64 else v.tolist()
         data.append({"object": "embedding", "embedding": embedding, "index": i})
