@@ -268,11 +268,12 @@ async def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(edged: S
     async with grpc.aio.insecure_channel(edged.target) as channel:
         stub = attention_pb2_grpc.AttentionServiceStub(channel)
         before = edged.sample("attention_dropped_total", {"reason": "deadline"})
-        # 5 s of model time for a 0.3 s deadline: the late call must reach the queue while the forward
-        # runs, which a busy machine's stall (the forward seen by a /metrics scrape) must not outlast.
+        # 5 s of model time for a 1 s deadline: the late call must reach the model process's queue before
+        # its deadline (through an edge process: 0.3 s was too short at load 13) and expire there while the
+        # forward runs, which a busy machine's stall (the forward seen by a /metrics scrape) must not outlast.
         held = await hold(stub, edged, 25)
         with pytest.raises(grpc.aio.AioRpcError) as late:
-            await stub.Encode(ids_request([7, 8]), timeout=0.3)
+            await stub.Encode(ids_request([7, 8]), timeout=1.0)
         assert late.value.code() == Code.DEADLINE_EXCEEDED
         await wait_for(lambda: edged.sample("attention_dropped_total", {"reason": "deadline"}) == before + 1, 20,
                        "the expired job dropped")
