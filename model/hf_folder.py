@@ -14,16 +14,20 @@ says what was done, and the service logs it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from model.bundle import MANIFEST_FILE, Manifest, build_atomically, save_bundle
 from model.default import ensure_default_bundle
-from model.hf import convert_hf
+from model.hf import HFConversionError, convert_hf, load_hf_weights
+from model.hf_heads import HeadConversionError, convert_heads
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # the order model/hf.py load_hf_weights prefers
@@ -59,8 +63,22 @@ def convert_hf_folder(model_dir: str | os.PathLike[str], out: str | os.PathLike[
                       version: str = "1") -> Manifest:
     """`python -m model convert-hf`: the folder as a text bundle in `out` (name: the folder's, by default)."""
     encoder, tokenizer, settings, source = convert_hf(model_dir)
+    tasks, heads = read_heads(model_dir, encoder.config.d_model)
     return save_bundle(encoder, out, name=name or Path(model_dir).resolve().name, version=version, source=source,
-                       text=(tokenizer, settings))
+                       text=(tokenizer, settings), tasks=tasks, heads=heads)
+
+
+def read_heads(model_dir: str | os.PathLike[str], d_model: int) -> tuple[dict[str, dict[str, Any]] | None,
+                                                                          dict[str, nn.Module]]:
+    """The folder's task heads (model/hf_heads.py), from config.json's architectures and the weights."""
+    config = json.loads((Path(model_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return None, {}
+    state_dict, path = load_hf_weights(model_dir)
+    try:
+        return convert_heads(config, state_dict, d_model, str(path))
+    except HeadConversionError as e:
+        raise HFConversionError(str(e)) from None
 
 
 def folder_key(model_dir: str | os.PathLike[str]) -> str:
