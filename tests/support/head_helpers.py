@@ -70,3 +70,17 @@ def hf_logits(model: Any, tokenizer: Any, first: list[str], second: list[str] | 
                     return_tensors="pt")
     with torch.inference_mode():
         return model(**{k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}).logits
+
+
+def head_bundle(tmp_path_factory: Any, kind: str) -> tuple[Path, Path, Any]:
+    """(bundle, HF folder, HF model) of a tiny head model converted with `convert-hf`: kind is
+    bert-classifier (3 labels), bert-reranker (1 label, token types) or xlmr-reranker."""
+    from model.hf_folder import convert_hf_folder
+
+    root = tmp_path_factory.mktemp(kind)
+    if kind == "xlmr-reranker":
+        src, model = write_xlmr_reranker(root / "hf")
+    else:
+        src, model = write_bert_classifier(root / "hf", num_labels=3 if kind == "bert-classifier" else 1)
+    convert_hf_folder(src, root / "bundle", name=kind)
+    return root / "bundle", src, model
