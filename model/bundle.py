@@ -127,7 +127,7 @@ class Manifest:
                       "validated_precisions": tuple(precisions), "text": text, "tasks": tasks})
 
 
-TASKS = ("embed", "classify", "rerank")
+TASKS = ("embed", "classify", "rerank", "sparse")
 HEADS_DIR = "heads"
 
 
@@ -149,6 +149,7 @@ def check_tasks(tasks: Any) -> dict[str, dict[str, Any]]:
                 raise ValueError(f"{where}.file must name a file under {HEADS_DIR}/, got {file!r}")
             if not isinstance(sha, str) or len(sha) != 64:
                 raise ValueError(f"{where}.sha256 must be a sha256 hex digest, got {sha!r}")
+        if name in ("classify", "rerank"):
             if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
                 raise ValueError(f"{where}.labels must list the label names in id order, got {labels!r}")
             if name == "rerank" and len(labels) != 1:

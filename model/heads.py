@@ -11,10 +11,16 @@ same model thread. Heads run in fp32 on the fp32 hidden states.
                  `type_delta` (d_model,): token type 1's embedding minus token type 0's (row 0 is folded into
                  the encoder's word table), for the second text of a pair; empty for a model with one token type.
 
+  SparseHead     SPLADE's sparse vector from a masked-LM head: transform (dense -> activation -> LayerNorm),
+                 the decoder (tied to the word embeddings) plus its bias, then per vocabulary entry the max over
+                 the sequence's real tokens of log(1 + relu(logit)). Rows run a few at a time so that the
+                 (rows, T, vocab) logits stay under SPARSE_CHUNK_ELEMENTS.
+
 Both take `forward(hidden (B, T, d_model) fp32, lengths (B,) int64)`.
 """
 
-from __future__ import annotations
+
+from typing import Final
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +38,40 @@ class ClassifyHead(nn.Module):
 
     def forward(self, hidden: Tensor, lengths: Tensor) -> Tensor:
         return self.out(torch.tanh(self.dense(hidden[:, 0])))
+
+
+SPARSE_CHUNK_ELEMENTS = 1 << 25  # 128 MiB of fp32 logits at a time
+
+
+class SparseHead(nn.Module):
+    """(B, T, C) hidden states -> (B, vocab) SPLADE weights, padding excluded (module docstring)."""
+
+    chunk: Final[int]
+    gelu: Final[bool]
+
+    def __init__(self, d_model: int, vocab_size: int, activation: str, eps: float) -> None:
+        super().__init__()
+        if activation not in ("gelu", "relu"):
+            raise ValueError(f"activation must be gelu or relu, got {activation!r}")
+        self.gelu = activation == "gelu"
+        self.dense = nn.Linear(d_model, d_model)
+        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.decoder = nn.Linear(d_model, vocab_size)
+        self.chunk = SPARSE_CHUNK_ELEMENTS
+
+    def forward(self, hidden: Tensor, lengths: Tensor) -> Tensor:
+        B, T = hidden.size(0), hidden.size(1)
+        x = self.dense(hidden)
+        x = nn.functional.gelu(x) if self.gelu else torch.relu(x)
+        x = self.norm(x)
+        real = torch.arange(T, device=hidden.device)[None, :, None] < lengths[:, None, None]  # (B, T, 1)
+        rows = max(1, self.chunk // max(1, T * self.decoder.out_features))
+        parts: list[Tensor] = []
+        for start in range(0, B, rows):
+            logits = self.decoder(x[start:start + rows])  # (rows, T, V)
+            weights = torch.log1p(torch.relu(logits))
+            parts.append(torch.where(real[start:start + rows], weights, 0.0).amax(dim=1))
+        return torch.cat(parts, dim=0)
 
 
 def probe(head: nn.Module, d_model: int) -> tuple[Tensor, Tensor]:

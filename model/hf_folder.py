@@ -72,7 +72,8 @@ def read_heads(model_dir: str | os.PathLike[str], d_model: int) -> tuple[dict[st
                                                                           dict[str, nn.Module]]:
     """The folder's task heads (model/hf_heads.py), from config.json's architectures and the weights."""
     config = json.loads((Path(model_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
-    if not any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+    heads = ("ForSequenceClassification", "ForMaskedLM")
+    if not any(str(a).endswith(heads) for a in config.get("architectures") or []):
         return None, {}
     state_dict, path = load_hf_weights(model_dir)
     try:

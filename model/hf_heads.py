@@ -19,9 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from model.heads import ClassifyHead
+from model.heads import ClassifyHead, SparseHead
 
 CLASSIFY_FILE = "heads/classify.pt"
+SPARSE_FILE = "heads/sparse.pt"
+# model_type -> (architecture, the transform's prefix, its LayerNorm's name, the bias keys in the order tried,
+# the word table (the tied decoder), the activation: BERT's config hidden_act, RoBERTa's lm_head always gelu)
+_MASKED_LM = {
+    "bert": ("BertForMaskedLM", "cls.predictions.transform.", "LayerNorm", ("cls.predictions.bias",
+             "cls.predictions.decoder.bias"), "bert.embeddings.word_embeddings.weight", None),
+    "roberta": ("RobertaForMaskedLM", "lm_head.", "layer_norm", ("lm_head.bias", "lm_head.decoder.bias"),
+                "roberta.embeddings.word_embeddings.weight", "gelu"),
+    "xlm-roberta": ("XLMRobertaForMaskedLM", "lm_head.", "layer_norm", ("lm_head.bias", "lm_head.decoder.bias"),
+                    "roberta.embeddings.word_embeddings.weight", "gelu"),
+}
 # model_type -> (architecture, dense weight/bias prefix, output prefix, the token type table or None)
 _CLASSIFIERS = {
     "bert": ("BertForSequenceClassification", "bert.pooler.dense.", "classifier.",
@@ -40,6 +51,9 @@ def convert_heads(hf: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
     """(manifest tasks, head file -> module) for the folder; (None, {}) for a base model (embeddings only)."""
     architectures = hf.get("architectures") or []
     model_type = hf.get("model_type")
+    masked = _MASKED_LM.get(model_type) if isinstance(model_type, str) else None
+    if masked is not None and masked[0] in architectures:
+        return _sparse(hf, state_dict, d_model, source, masked)
     known = _CLASSIFIERS.get(model_type) if isinstance(model_type, str) else None
     if known is None or known[0] not in architectures:
         return None, {}
@@ -71,6 +85,36 @@ def convert_heads(hf: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
     if n_labels == 1:
         tasks["rerank"] = dict(entry)
     return tasks, {CLASSIFY_FILE: head}
+
+
+def _sparse(hf: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], d_model: int, source: str,
+            masked: tuple[Any, ...]) -> tuple[dict[str, dict[str, Any]], dict[str, nn.Module]]:
+    """The masked-LM head as SPLADE's SparseHead (model/heads.py)."""
+    architecture, transform, norm, biases, table, activation = masked
+    activation = activation or hf.get("hidden_act", "gelu")
+    if activation not in ("gelu", "relu"):
+        raise HeadConversionError(f"{source}: hidden_act={activation!r}: the masked-LM head's activation must be "
+                                  "gelu or relu to be reproduced exactly")
+
+    def tensor(key: str) -> torch.Tensor:
+        if key not in state_dict:
+            raise HeadConversionError(f"{source}: no key {key!r} ({architecture}'s head)")
+        return state_dict[key].detach().float()
+
+    words = tensor(table)
+    bias_key = next((k for k in biases if k in state_dict), biases[0])
+    head = SparseHead(d_model, int(words.shape[0]), activation, float(hf.get("layer_norm_eps", 1e-12)))
+    values = {"dense.weight": tensor(transform + "dense.weight"), "dense.bias": tensor(transform + "dense.bias"),
+              "norm.weight": tensor(f"{transform}{norm}.weight"), "norm.bias": tensor(f"{transform}{norm}.bias"),
+              "decoder.weight": words, "decoder.bias": tensor(bias_key)}
+    with torch.no_grad():
+        for name, value in values.items():
+            target = head.get_parameter(name)
+            if tuple(value.shape) != tuple(target.shape):
+                raise HeadConversionError(f"{source}: {name} of the masked-LM head has shape {list(value.shape)}; "
+                                          f"expected {list(target.shape)}")
+            target.copy_(value)
+    return {"embed": {}, "sparse": {"file": SPARSE_FILE}}, {SPARSE_FILE: head}
 
 
 def _labels(hf: Mapping[str, Any], n: int, source: str) -> list[str]:

@@ -108,3 +108,33 @@ def test_head_file_checksum_and_manifest_checks(tmp_path: Path) -> None:
     head.write_bytes(head.read_bytes() + b"x")
     with pytest.raises(BundleError, match=r"classify.pt failed its checksum"):
         load_bundle(out)
+
+
+@pytest.mark.parametrize(("kind", "pad", "texts"), [("bert", "[PAD]", QUERIES), ("xlmr", "<pad>", X_QUERIES)])
+def test_splade_head_matches_the_masked_lm(tmp_path: Path, kind: str, pad: str, texts: list[str]) -> None:
+    """SparseHead = max over real tokens of log(1 + relu(MLM logits)), the decoder tied to the word table."""
+    from tests.support.head_helpers import hf_splade, write_masked_lm
+
+    src, model = write_masked_lm(tmp_path / "mlm", kind)
+    out = tmp_path / "bundle"
+    manifest = convert_hf_folder(src, out)
+    assert manifest.tasks is not None and set(manifest.tasks) == {"embed", "sparse"}
+    tok = hf_tokenizer(src, pad)
+    want = hf_splade(model, tok, texts)
+    loaded = load_bundle(out)
+    enc = tok(texts, padding=True, return_tensors="pt")
+    lengths = enc["attention_mask"].sum(1)
+    with torch.inference_mode():
+        hidden, _ = loaded.module(enc["input_ids"], None, lengths, False, [])
+        got = loaded.heads["sparse"](hidden.float(), lengths)
+    assert got.shape == want.shape == (len(texts), model.config.vocab_size)
+    assert float((got - want).abs().max()) <= 1e-5
+    assert 0 < int((want > 0).sum()) < want.numel()  # sparse, and not trivially empty
+    # Rows a few at a time (a small chunk: one row per pass) give the same vectors.
+    from model.heads import SparseHead
+
+    eager = SparseHead(32, model.config.vocab_size, "gelu", model.config.layer_norm_eps)
+    eager.load_state_dict(loaded.heads["sparse"].state_dict())
+    eager.chunk = 1
+    with torch.inference_mode():
+        assert float((eager(hidden.float(), lengths) - got).abs().max()) <= 1e-6

@@ -84,3 +84,39 @@ def head_bundle(tmp_path_factory: Any, kind: str) -> tuple[Path, Path, Any]:
         src, model = write_bert_classifier(root / "hf", num_labels=3 if kind == "bert-classifier" else 1)
     convert_hf_folder(src, root / "bundle", name=kind)
     return root / "bundle", src, model
+
+
+def masked_lm(kind: str, seed: int = 7) -> Any:
+    """A tiny random-init BertForMaskedLM or XLMRobertaForMaskedLM (decoder tied to the word embeddings)."""
+    import transformers
+
+    if kind == "bert":
+        config: Any = transformers.BertConfig(
+            vocab_size=len(TINY_VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=32, type_vocab_size=2, pad_token_id=0, hidden_act="gelu")
+        cls: Any = transformers.BertForMaskedLM
+    else:
+        config = transformers.XLMRobertaConfig(
+            vocab_size=len(UNIGRAM_VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=40, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+            type_vocab_size=1, layer_norm_eps=1e-5, hidden_act="gelu")
+        cls = transformers.XLMRobertaForMaskedLM
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    randomize_(model, seed)
+    model.tie_weights()
+    return model
+
+
+def write_masked_lm(directory: Path, kind: str) -> tuple[Path, Any]:
+    model = masked_lm(kind)
+    return save_hf(model, directory, tiny_tokenizer_json() if kind == "bert" else unigram_tokenizer_json()), model
+
+
+def hf_splade(model: Any, tokenizer: Any, texts: list[str]) -> torch.Tensor:
+    """SPLADE as defined: max over tokens of log(1 + relu(MLM logits)), masked by attention. (B, vocab)"""
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
+    return (torch.log1p(torch.relu(logits)) * enc["attention_mask"][:, :, None]).amax(dim=1)
