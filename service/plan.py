@@ -74,6 +74,7 @@ class Ask:
     task: str = "embed"
     query: str | None = None
     top_n: int | None = None
+    sparse: tuple[int, float] | None = None  # embed: a SPLADE vector per sequence, (top_k (0: all), threshold)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Names:
     task: str = "task"  # the call's task (the RPC or route: a door names it as its callers know it)
     query: str = "query"
     top_n: str = "top_n"
+    sparse: str = "output.sparse"
 
     def of(self, i: int, kind: str) -> str:
         return self.sequence.format(i=i, kind=dict(self.kinds)[kind])
@@ -133,6 +135,7 @@ class Plan:
     truncated: tuple[bool, ...] = ()  # per sequence, when the call cut ids or embeddings: whether it did
     task: str = "embed"  # a head's task: each job's Output.scores hold its logits (service/tasks.py)
     top_n: int = 0  # rerank: how many of the ranked texts to answer
+    sparse: tuple[int, float] | None = None  # embed: (top_k, threshold) of each sequence's sparse vector
 
     @property
     def tokens(self) -> int:
@@ -204,7 +207,8 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
     if ask.heads not in HEADS:
         raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
     layers = _attention_layers(ask, spec, config, names)
-    if not ask.return_hidden and pooling == POOL_NONE and not layers:
+    head = _sparse(ask, spec, long, names)
+    if not ask.return_hidden and pooling == POOL_NONE and not layers and not head:
         raise InvalidInput(names.output, "nothing to return: hidden states off, no pooling, no attention")
 
     text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
@@ -224,15 +228,17 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
             token_ids, embeddings = _array(i, item, spec, long.mode, names)
         job = Job(token_ids=token_ids, embeddings=embeddings, causal=ask.causal, attn_layers=layers,
                   heads_mean=ask.heads == "mean", pooling=pooling, return_hidden=ask.return_hidden,
-                  normalize=normalize)
+                  normalize=normalize, head=head)
         if lengths[i] > limits[i]:
             windows.append((i, limits[i]))
         jobs.append(job)
     if windows:
         jobs, chunks, cut = _fit(jobs, windows, long, names, lambda i: names.of(i, _kind(inputs[i])))
-        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut)
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut,
+                      sparse=ask.sparse)
     else:
-        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens)
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens,
+                      sparse=ask.sparse)
     _check_sizes(fitted, spec, config, names, response_size)
     return fitted
 
@@ -391,6 +397,21 @@ def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, name
         cut.append(i in long_at and long.mode == TRUNCATE)
     return (out, tuple(chunks) if any(c is not None for c in chunks) else (),
             tuple(cut) if any(cut) else ())
+
+
+def _sparse(ask: Ask, spec: ModelSpec, long: LongInputs, names: Names) -> str:
+    """"sparse" (the head of each job) when the call asks for SPLADE vectors, checked; else ""."""
+    if ask.sparse is None:
+        return ""
+    check_task("sparse", spec, names.sparse)
+    top_k, threshold = ask.sparse
+    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
+        raise InvalidInput(f"{names.sparse}.top_k", f"must be >= 0 (0: all); got {shown(top_k)}")
+    if not math.isfinite(threshold) or threshold < 0:
+        raise InvalidInput(f"{names.sparse}.threshold", f"must be a finite number >= 0; got {shown(threshold)}")
+    if long.mode == CHUNK:
+        raise InvalidInput(names.sparse, "is not available with chunked long inputs; truncate them instead")
+    return "sparse"
 
 
 def _float(dtype: str, field: str) -> str:
@@ -587,6 +608,9 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
         if job.attn_layers:
             heads = 1 if job.heads_mean else spec.n_heads
             body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)
+        if plan.sparse is not None:  # packed int32 indices (at most 5 bytes each) and float values
+            entries = min(plan.sparse[0] or spec.vocab_size, spec.vocab_size)
+            body += _field(_field(5 * entries) + _field(4 * entries))
         total += _field(body)
     if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
         total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)

@@ -2,6 +2,8 @@
 
   classify (TEI /predict)  per label: softmax over the labels; sigmoid for multi_label_classification and for
                            a one-label head; the logits themselves with raw_scores
+  sparse   (TEI /embed_sparse) a SPLADE vector's entries above the threshold, the top_k largest (0: all),
+                           indices ascending
   rerank   (TEI /rerank)   per text: sigmoid(logit) (raw_scores: the logit), ranked by score, highest first,
                            ties in the texts' order; the first top_n
 
@@ -36,3 +38,14 @@ def rerank_scores(logits: Sequence[np.ndarray], raw: bool) -> list[float]:
 def ranked(scores: Sequence[float], top_n: int) -> list[int]:
     """Indices of the `top_n` highest scores, highest first; equal scores keep the texts' order."""
     return sorted(range(len(scores)), key=lambda i: -scores[i])[:top_n]
+
+
+def sparse_entries(weights: np.ndarray, top_k: int, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """(indices int32, values float32) of a dense [vocab] SPLADE vector: entries > threshold, the top_k largest
+    of them when top_k > 0 (ties: the lower index), indices ascending."""
+    w = np.asarray(weights, dtype=np.float32)
+    index = np.flatnonzero(w > threshold)
+    if top_k and len(index) > top_k:
+        order = np.lexsort((index, -w[index]))[:top_k]  # by value descending, then index ascending
+        index = np.sort(index[order])
+    return index.astype(np.int32), w[index]

@@ -47,7 +47,7 @@ from service.plan import (
     response_bytes,
     tokenize,
 )
-from service.tasks import label_scores, ranked, rerank_scores
+from service.tasks import label_scores, ranked, rerank_scores, sparse_entries
 
 NAMES = Names()  # the plan's default names are this door's
 _DTYPE = {pb.DTYPE_UNSPECIFIED: "float32", pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16",
@@ -321,6 +321,10 @@ def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec:
             fill_tensor(seq.pooled, out.pooled, output_dtype)
         if out.attention is not None:
             fill_tensor(seq.attention, out.attention, attention_dtype)
+        if plan.sparse is not None and out.scores is not None:
+            indices, values = sparse_entries(out.scores, *plan.sparse)
+            seq.sparse.indices.extend(indices.tolist())
+            seq.sparse.values.extend(values.tolist())
     return response
 
 
@@ -347,6 +351,7 @@ def ask_of(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) ->
         heads=_HEADS[att.heads], attention_dtype=_DTYPE[att.dtype], causal=request.causal,
         long_inputs=_LONG[request.long_inputs], truncate=request.truncate, chunk_stride=request.chunk_stride,
         prompt_name=out.prompt_name, return_tokens=out.return_tokens,
+        sparse=(out.sparse.top_k, out.sparse.threshold) if out.HasField("sparse") else None,
     )
 
 

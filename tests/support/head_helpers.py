@@ -120,3 +120,13 @@ def hf_splade(model: Any, tokenizer: Any, texts: list[str]) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
     return (torch.log1p(torch.relu(logits)) * enc["attention_mask"][:, :, None]).amax(dim=1)
+
+
+def sparse_bundle(tmp_path_factory: Any, kind: str = "bert") -> tuple[Path, Path, Any]:
+    """(bundle, HF folder, HF model) of a tiny masked-LM converted with `convert-hf` (tasks embed, sparse)."""
+    from model.hf_folder import convert_hf_folder
+
+    root = tmp_path_factory.mktemp(f"{kind}-mlm")
+    src, model = write_masked_lm(root / "hf", kind)
+    convert_hf_folder(src, root / "bundle", name=f"{kind}-splade")
+    return root / "bundle", src, model

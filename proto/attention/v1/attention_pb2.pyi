@@ -72,20 +72,38 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens")
+    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens", "sparse")
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     RETURN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     return_hidden: bool
     pooling: Pooling
     dtype: DType
     normalize: bool
     prompt_name: str
     return_tokens: bool
-    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ...) -> None: ...
+    sparse: SparseOptions
+    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ..., sparse: _Optional[_Union[SparseOptions, _Mapping]] = ...) -> None: ...
+
+class SparseOptions(_message.Message):
+    __slots__ = ("top_k", "threshold")
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    top_k: int
+    threshold: float
+    def __init__(self, top_k: _Optional[int] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class SparseVector(_message.Message):
+    __slots__ = ("indices", "values")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AttentionOptions(_message.Message):
     __slots__ = ("return_attention", "layers", "heads", "dtype")
@@ -142,7 +160,7 @@ class ResponseMetadata(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., padded_length: _Optional[int] = ..., precision: _Optional[str] = ..., fp32_retry: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows")
+    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows", "sparse")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +170,7 @@ class SequenceOutput(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     pooled: Tensor
     attention: Tensor
@@ -161,7 +180,8 @@ class SequenceOutput(_message.Message):
     token_ids: Tensor
     tokens: _containers.RepeatedScalarFieldContainer[str]
     windows: int
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ...) -> None: ...
+    sparse: SparseVector
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ..., sparse: _Optional[_Union[SparseVector, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "field")

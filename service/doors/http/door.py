@@ -56,7 +56,7 @@ from service.metrics import Metrics
 from service.output_range import check_representable
 from service.plan import Ask, Plan, head_response_bytes, plan_call
 from service.process import port_error
-from service.tasks import label_scores, ranked, rerank_scores
+from service.tasks import label_scores, ranked, rerank_scores, sparse_entries
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,7 @@ class HttpDoor:
         self._route("GET", "/v1/models", o, self._models)
         self._route("POST", "/embed", t, self._embed)
         self._route("POST", "/embed_all", t, self._embed_all)
+        self._route("POST", "/embed_sparse", t, self._embed_sparse)
         self._route("POST", "/tokenize", t, self._tokenize)
         self._route("POST", "/decode", t, self._decode)
         self._route("POST", "/rerank", t, self._rerank)
@@ -299,6 +300,21 @@ class HttpDoor:
         _, hidden = await self._pooled(call.inputs, "inputs", normalize=None, truncate=call.truncate,
                                        prompt_name=call.prompt_name, hidden=True)
         return json_response([np.asarray(h, np.float32).tolist() for h in hidden])
+
+    async def _embed_sparse(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        spec = self._spec()
+        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, d_model=spec.d_model,
+                                side=self._side(spec), all_tokens=True)
+        ask = Ask(inputs=call.inputs, return_hidden=False, truncate=call.truncate, prompt_name=call.prompt_name,
+                  sparse=(0, 0.0))
+        plan = await plan_call(ask, spec, self._config, replace(names("inputs"), sparse="/embed_sparse"), json_size)
+        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        out = []
+        for d in done:
+            assert d.output.scores is not None, "a sparse vector is missing. This is a bug."
+            out.append(tei.sparse(*sparse_entries(d.output.scores, 0, 0.0)))
+        return json_response(out)
 
     def _specials(self, spec: ModelSpec) -> frozenset[int]:
         if spec.tokenizer is None:

@@ -63,7 +63,9 @@ def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
     """An upper bound on the JSON response of `plan` (vectors or token embeddings as float text,
     base64 being shorter), for max_message_bytes."""
     values = sum((job.length if job.return_hidden else 0) + (1 if job.pooling else 0) for job in plan.sequences)
-    return Sizes(0, values * spec.d_model * JSON_FLOAT + 64 * len(plan.sequences) + 256)
+    # A sparse vector (/embed_sparse): at most one {"index": ..., "value": ...} per vocabulary entry.
+    entries = spec.vocab_size * sum(job.head == "sparse" for job in plan.sequences)
+    return Sizes(0, values * spec.d_model * JSON_FLOAT + entries * (JSON_FLOAT + 24) + 64 * len(plan.sequences) + 256)
 
 
 def dimensions(vectors: Sequence[np.ndarray], dims: int | None) -> list[np.ndarray]:

@@ -3,6 +3,8 @@
 POST /embed      {"inputs", "normalize" (true), "truncate" (false), "truncation_direction" ("right"),
                   "prompt_name", "dimensions"} -> [[float]]
 POST /embed_all  {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[[float]]] (token embeddings)
+POST /embed_sparse {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[{"index", "value"}]] (SPLADE,
+                  the non-zero entries, indices ascending)
 POST /tokenize   {"inputs", "add_special_tokens" (true), "prompt_name"} -> [[{"id", "text", "special",
                   "start", "stop"}]] (start/stop: null, offsets are not kept)
 POST /decode     {"ids", "skip_special_tokens" (true)} -> [str]
@@ -202,3 +204,8 @@ def predictions(labels: Sequence[str], scores: Sequence[float]) -> list[dict[str
     """One input's [{"score", "label"}], highest score first (TEI's order)."""
     order = sorted(range(len(labels)), key=lambda i: -scores[i])
     return [{"score": float(scores[i]), "label": labels[i]} for i in order]
+
+
+def sparse(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
+    """One input's /embed_sparse entries."""
+    return [{"index": int(i), "value": float(v)} for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
