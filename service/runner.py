@@ -212,6 +212,9 @@ class Runner:
             launched = [self.launch([Job(ids, None)] * n) for _ in range(2)]
             for batch in launched:
                 _warm(self.finish(batch))
+        for head in sorted(self._heads):  # each task head once, on pairs' embeddings too where it has a type delta
+            types = np.array([0] * 4 + [1] * 4, np.int64) if self._tables.get(id(self._module)) is not None else None
+            _warm(self.execute([Job(ids[:8], None, return_hidden=False, head=head, token_types=types)] * 2))
         if self._fp32_module is not None:
             self._forward(self._fp32_module, [Job(ids[:8], None)])
         if self.diagnostics:
