@@ -184,3 +184,26 @@ async def test_a_task_the_model_lacks_is_refused_naming_it(start_server: Any, ti
     r = await classifier.stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text="the cat")], output=pb.OutputOptions(
         pooling=pb.POOLING_CLS, return_hidden=False)), timeout=10)
     assert from_tensor(r.outputs[0].pooled).shape == (32,)
+
+
+async def test_rerank_and_classify_through_edge_processes(tmp_path: Path,
+                                                          bert_reranker: tuple[Path, Path, Any]) -> None:
+    """With --edge-processes 2 the doors tokenize in their own processes: the pairs' token types and the
+    head's scores cross the frames (service/multiproc/frames.py), and the scores are HF's."""
+    from tests.support.server_process import ServerProcess
+
+    bundle, src, model = bert_reranker
+    want = _sigmoid(hf_logits(model, hf_tokenizer(src, "[PAD]"), [QUERY] * len(PASSAGES), PASSAGES)[:, 0])
+    server = ServerProcess(bundle, "--edge-processes", "2", directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            from proto.attention.v1 import attention_pb2_grpc
+
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            assert list(info.tasks) == ["embed", "classify", "rerank"]
+            r = await stub.Rerank(pb.RerankRequest(query=QUERY, texts=PASSAGES), timeout=60)
+            assert [x.index for x in r.results] == sorted(range(len(PASSAGES)), key=lambda i: -want[i])
+            assert max(abs(x.score - want[x.index]) for x in r.results) <= 1e-5
+    finally:
+        server.stop()
