@@ -81,6 +81,9 @@ class Manifest:
     # Optional: int8/uint8 calibration, {"min": [...], "max": [...]} (d_model values each, or one; finite,
     # min < max): each dimension's range over a representative set of the model's pooled vectors.
     quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    # The tasks served (model/heads.py): {"embed": {}, "classify": {"file", "sha256", "labels", "problem_type"},
+    # "rerank": {...}}; None: "embed" only (bundles before heads, and the key left out of the file).
+    tasks: Mapping[str, Mapping[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -95,7 +98,15 @@ class Manifest:
             del d["text"]  # the exact key set of format 1, which servers before text input check
         else:
             d["text"] = self.text.to_dict()
+        if self.tasks is None:
+            del d["tasks"]
+        else:
+            d["tasks"] = {name: dict(entry) for name, entry in self.tasks.items()}
         return d
+
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        return tuple(self.tasks) if self.tasks is not None else ("embed",)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
@@ -110,7 +121,7 @@ class Manifest:
             raise ValueError(f"manifest format_version {version} is not supported without its text settings "
                              "(format 2 is a text bundle's)")
         fields = {f.name for f in dataclasses.fields(cls)} - ({"text"} if version == FORMAT_VERSION else set())
-        missing = sorted(fields - set(data) - {"quantization_ranges"})
+        missing = sorted(fields - set(data) - {"quantization_ranges", "tasks"})
         unknown = sorted(set(data) - fields)
         if missing or unknown:
             raise ValueError(f"manifest has missing keys {missing} and unknown keys {unknown}")
@@ -123,8 +134,9 @@ class Manifest:
         text = TextSettings.from_dict(data["text"]) if version == TEXT_FORMAT_VERSION else None
         config = EncoderConfig.from_dict(data["config"])
         ranges = _ranges(data["quantization_ranges"], config.d_model) if "quantization_ranges" in data else None
+        tasks = check_tasks(data["tasks"]) if "tasks" in data else None
         return cls(**{**data, "config": config, "validated_precisions": tuple(precisions), "text": text,
-                      "quantization_ranges": ranges})
+                      "quantization_ranges": ranges, "tasks": tasks})
 
 
 def _ranges(value: Any, d_model: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -145,6 +157,43 @@ def _ranges(value: Any, d_model: int) -> tuple[tuple[float, ...], tuple[float, .
     return low, high
 
 
+TASKS = ("embed", "classify", "rerank", "sparse")
+HEADS_DIR = "heads"
+
+
+def check_tasks(tasks: Any) -> dict[str, dict[str, Any]]:
+    """manifest.tasks, checked: known task names; classify and rerank name their head file (under heads/), its
+    sha256 and the labels in id order (rerank: exactly one); ValueError naming the key."""
+    if not isinstance(tasks, Mapping) or not tasks:
+        raise ValueError(f"manifest.tasks must be a non-empty JSON object, got {tasks!r}")
+    out: dict[str, dict[str, Any]] = {}
+    for name, entry in tasks.items():
+        where = f"manifest.tasks.{name}"
+        if name not in TASKS:
+            raise ValueError(f"{where}: unknown task; known tasks are {list(TASKS)}")
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where} must be a JSON object, got {entry!r}")
+        if name != "embed":
+            file, sha, labels = entry.get("file"), entry.get("sha256"), entry.get("labels")
+            if not isinstance(file, str) or not file.startswith(HEADS_DIR + "/") or ".." in file:
+                raise ValueError(f"{where}.file must name a file under {HEADS_DIR}/, got {file!r}")
+            if not isinstance(sha, str) or len(sha) != 64:
+                raise ValueError(f"{where}.sha256 must be a sha256 hex digest, got {sha!r}")
+        if name in ("classify", "rerank"):
+            if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
+                raise ValueError(f"{where}.labels must list the label names in id order, got {labels!r}")
+            if name == "rerank" and len(labels) != 1:
+                raise ValueError(f"{where}.labels: a reranker has one label, got {len(labels)}")
+            problem = entry.get("problem_type", "single_label_classification")
+            if problem not in PROBLEM_TYPES:
+                raise ValueError(f"{where}.problem_type must be one of {list(PROBLEM_TYPES)}, got {problem!r}")
+        out[str(name)] = dict(entry)
+    return out
+
+
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+
+
 @dataclass(frozen=True)
 class LoadedBundle:
     """A loaded, verified, cast and frozen TorchScript module, its manifest, and a text bundle's tokenizer."""
@@ -152,6 +201,10 @@ class LoadedBundle:
     module: torch.jit.ScriptModule
     manifest: Manifest
     tokenizer: TextTokenizer | None = None
+    heads: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # task -> its scripted head (fp32)
+    # The word table (the module's dtype) when a head has a token type delta: a pair's second text is fed
+    # as embeddings, word + delta (model/heads.py).
+    token_embeddings: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -408,10 +461,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: str, version: str,
-                source: str, text: tuple[bytes, TextSettings] | None = None) -> Manifest:
+                source: str, text: tuple[bytes, TextSettings] | None = None,
+                tasks: Mapping[str, Mapping[str, Any]] | None = None,
+                heads: Mapping[str, nn.Module] | None = None) -> Manifest:
     """Script `module` (an Encoder, or a module with its forward and a `config` attribute), save it
     with its manifest into `directory` (created; must not already hold a bundle), and return the manifest.
     `text`: the tokenizer.json bytes and settings of a text bundle (checked to load, and to match).
+    `tasks`: the manifest's tasks (model/heads.py), each head task's "file" one of `heads` (file -> module),
+    scripted into that file and checked against the eager module; its sha256 is filled in here.
 
     The saved file is reloaded and checked against the eager module before the manifest is written,
     so a directory with a manifest.json is a complete, checked bundle.
@@ -470,8 +527,64 @@ def save_bundle(module: nn.Module, directory: str | os.PathLike[str], *, name: s
         raise
     if text is not None:
         _write_atomic(directory / TOKENIZER_FILE, text[0])
+    if tasks is not None:
+        manifest = dataclasses.replace(manifest, tasks=_save_heads(directory, tasks, heads or {}, config.d_model))
     _write_atomic(directory / MANIFEST_FILE, (json.dumps(manifest.to_dict(), indent=2) + "\n").encode())
     return manifest
+
+
+def _save_heads(directory: Path, tasks: Mapping[str, Mapping[str, Any]], heads: Mapping[str, nn.Module],
+                d_model: int) -> dict[str, dict[str, Any]]:
+    """Script each head into its file, check it reloads equal to the eager module; the tasks with sha256s."""
+    from model.heads import probe
+
+    sums: dict[str, str] = {}
+    for file, head in heads.items():
+        path = directory / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        head = head.eval()
+        with _quiet_jit():
+            torch.jit.save(torch.jit.script(head), str(path))
+            loaded = torch.jit.load(str(path), map_location="cpu")
+        hidden, lengths = probe(head, d_model)
+        with torch.inference_mode():
+            if not torch.allclose(loaded(hidden, lengths), head(hidden, lengths), atol=_FP32_ATOL, rtol=0):
+                raise BundleError(f"{path}: the scripted head differs from the eager module")
+        sums[file] = file_sha256(path)
+    out = {name: dict(entry) for name, entry in tasks.items()}
+    for name, entry in out.items():
+        if name != "embed":
+            if entry.get("file") not in sums:
+                raise BundleError(f"task {name}: head file {entry.get('file')!r} is not among the heads given")
+            entry["sha256"] = sums[entry["file"]]
+    try:
+        return check_tasks(out)
+    except ValueError as e:
+        raise BundleError(str(e)) from None
+
+
+def _load_heads(directory: Path, manifest: Manifest, device: str | torch.device) -> dict[str, Any]:
+    """task -> its scripted head, each file checked against its sha256 (one module per file)."""
+    loaded: dict[str, Any] = {}
+    heads: dict[str, Any] = {}
+    for name, entry in (manifest.tasks or {}).items():
+        if name == "embed":
+            continue
+        file = entry["file"]
+        if file not in loaded:
+            path = directory / file
+            if not path.is_file():
+                raise BundleError(f"{path} not found (manifest.tasks.{name} names it)")
+            if file_sha256(path) != entry["sha256"]:
+                raise BundleError(f"{path} failed its checksum (manifest.tasks.{name}.sha256); the file is corrupt "
+                                  "or was replaced")
+            try:
+                with _quiet_jit():
+                    loaded[file] = torch.jit.load(str(path), map_location=device).eval()
+            except RuntimeError as e:
+                raise BundleError(f"{path} could not be loaded as TorchScript: {e}") from e
+        heads[name] = loaded[file]
+    return heads
 
 
 def build_atomically(final: Path, build: Callable[[Path], object]) -> bool:
@@ -552,12 +665,17 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
     except RuntimeError as e:
         raise BundleError(f"{model_path} could not be loaded as TorchScript: {e}") from e
     _check_module(module, manifest, model_path)  # fp32, before the cast and freeze
+    heads = _load_heads(directory, manifest, device)
     # Freezing keeps only `forward` unless told: keep the diagnostics entry point where the bundle has one
     # (bundles exported before it, and wrappers that export only forward, do not).
     preserved = [name for name in (DIAGNOSTICS_METHOD,) if module._c._has_method(name)]
+    module = module.to(dtype).eval()
+    table = None
+    if any(int(head.type_delta.numel()) for head in heads.values() if hasattr(head, "type_delta")):
+        table = _encoder_of(module)[1].tok_emb.weight.detach()  # before freezing inlines it
     with _quiet_jit():
-        module = torch.jit.freeze(module.to(dtype).eval(), preserved_attrs=preserved)
-    return LoadedBundle(module=module, manifest=manifest, tokenizer=tokenizer)
+        module = torch.jit.freeze(module, preserved_attrs=preserved)
+    return LoadedBundle(module=module, manifest=manifest, tokenizer=tokenizer, heads=heads, token_embeddings=table)
 
 
 def has_diagnostics(module: Any) -> bool:

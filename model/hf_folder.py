@@ -15,16 +15,20 @@ the service logs it.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from model.bundle import MANIFEST_FILE, Manifest, build_atomically, read_manifest, save_bundle
 from model.default import ensure_default_bundle
-from model.hf import convert_hf, ids_only_note
+from model.hf import HFConversionError, convert_hf, ids_only_note, load_hf_weights
+from model.hf_heads import HeadConversionError, convert_heads
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # the order model/hf.py load_hf_weights prefers
@@ -64,8 +68,23 @@ def convert_hf_folder(model_dir: str | os.PathLike[str], out: str | os.PathLike[
     """`python -m model convert-hf`: the folder as a text bundle in `out` (name: the folder's, by default)."""
     encoder, tokenizer, settings, source = convert_hf(model_dir)
     text = None if tokenizer is None or settings is None else (tokenizer, settings)  # None: no tokenizer.json
+    tasks, heads = read_heads(model_dir, encoder.config.d_model)
     return save_bundle(encoder, out, name=name or Path(model_dir).resolve().name, version=version, source=source,
-                       text=text)
+                       text=text, tasks=tasks, heads=heads)
+
+
+def read_heads(model_dir: str | os.PathLike[str], d_model: int) -> tuple[dict[str, dict[str, Any]] | None,
+                                                                          dict[str, nn.Module]]:
+    """The folder's task heads (model/hf_heads.py), from config.json's architectures and the weights."""
+    config = json.loads((Path(model_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    heads = ("ForSequenceClassification", "ForMaskedLM")
+    if not any(str(a).endswith(heads) for a in config.get("architectures") or []):
+        return None, {}
+    state_dict, path = load_hf_weights(model_dir)
+    try:
+        return convert_heads(config, state_dict, d_model, str(path))
+    except HeadConversionError as e:
+        raise HFConversionError(str(e)) from None
 
 
 def folder_key(model_dir: str | os.PathLike[str]) -> str:

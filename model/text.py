@@ -97,6 +97,7 @@ class Encoded:
     ids: np.ndarray
     full_length: int
     tokens: list[str]
+    type_ids: np.ndarray | None = None  # int64 [T], pairs only: 0 for the first text, 1 for the second
 
     @property
     def truncated(self) -> bool:
@@ -154,6 +155,20 @@ class TextTokenizer:
             if full > limit and truncate:
                 enc = self._cutting.encode(text)
             out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), full, list(enc.tokens)))
+        return out
+
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool) -> list[Encoded]:
+        """Tokenize text pairs as Hugging Face's `tokenizer(a, b)` does (the post-processor's pair template:
+        [CLS] a [SEP] b [SEP] with token types 0/1; RoBERTa's <s> a </s></s> b </s>). A pair over max_tokens is
+        cut when `truncate` (longest_first, HF's default: the longer text loses a token at a time)."""
+        limit = self.settings.max_tokens
+        out = []
+        for pair, enc in zip(pairs, self._plain.encode_batch([tuple(p) for p in pairs]), strict=True):
+            full = len(enc.ids)
+            if full > limit and truncate:
+                enc = self._cutting.encode(pair[0], pair[1])
+            out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), full, list(enc.tokens),
+                               np.asarray(enc.type_ids, dtype=np.int64)))
         return out
 
     def decode(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:

@@ -6,7 +6,8 @@
     │   ├── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
     │   ├── TooLarge        INVALID_ARGUMENT    (HTTP 413) a body or a count in it over the limits
     │   ├── ReadTimeout     INVALID_ARGUMENT    (HTTP 408) a body that did not arrive in time
-    │   └── NotAcceptable   INVALID_ARGUMENT    (HTTP 404/405/400) no such route or method, a malformed request
+    │   ├── NotAcceptable   INVALID_ARGUMENT    (HTTP 404/405/400) no such route or method, a malformed request
+    │   └── TaskUnavailable INVALID_ARGUMENT    a task (classify, rerank) the served model has no head for
     ├── FailedPrecondition  FAILED_PRECONDITION valid, but this deployment does not serve it
     ├── NotFound            NOT_FOUND           no such model or version (the KServe v2 front door)
     ├── Overloaded          RESOURCE_EXHAUSTED  queue full; retry after a backoff
@@ -69,6 +70,10 @@ class NotAcceptable(InvalidInput):
     def __init__(self, status: int, message: str) -> None:
         super().__init__("request", message)
         self.status = status
+
+
+class TaskUnavailable(InvalidInput):
+    """A call for a task the served bundle has no head for (manifest tasks: model/heads.py); names the task."""
 
 
 class FailedPrecondition(ServiceError):
@@ -145,6 +150,7 @@ REASON_OF: dict[type[ServiceError], str] = {
     TooLarge: "too_large",
     ReadTimeout: "read_timeout",
     NotAcceptable: "not_acceptable",
+    TaskUnavailable: "task_unavailable",
     FailedPrecondition: "failed_precondition",
     NotFound: "not_found",
     Overloaded: "queue_full",

@@ -27,6 +27,11 @@ class Job:
     pooling: int = POOL_NONE
     return_hidden: bool = True
     normalize: bool = False  # L2-normalise the pooled vector (fp32, on the device)
+    # A task head's name ("classify", "rerank": model/heads.py), run on this sequence's hidden states; "": none.
+    head: str = ""
+    # int64 [T]: a pair's token types (0 first text, 1 second), for a model whose head has a type delta;
+    # None: all 0 (single texts, and models with one token type).
+    token_types: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -35,9 +40,9 @@ class Job:
         return int(data.shape[0])
 
     @property
-    def key(self) -> tuple[bool, bool, tuple[int, ...]]:
-        """Jobs with equal keys run the same computation and may share a batch."""
-        return (self.token_ids is not None, self.causal, self.attn_layers)
+    def key(self) -> tuple[bool, bool, tuple[int, ...], bool]:
+        """Jobs with equal keys run the same computation and may share a batch (heads are per row)."""
+        return (self.token_ids is not None, self.causal, self.attn_layers, self.token_types is not None)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class Output:
     pooled: np.ndarray | None  # float32 [d_model]
     attention: np.ndarray | None  # float32 [L, H or 1, T, T]
     fp32_rerun: bool  # the reduced-precision output was non-finite, so this is an fp32 re-run's
+    scores: np.ndarray | None = None  # float32 [n_labels]: the head's logits (Job.head)
 
 
 @dataclass(frozen=True)
@@ -74,3 +80,7 @@ class ModelSpec:
     batch_curve: dict[int, float] = field(default_factory=dict)  # warm-up: batch tokens -> tokens/s
     # The manifest's int8/uint8 calibration: (min, max), d_model values each or one pair; None: not stated.
     quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    tasks: tuple[str, ...] = ("embed",)  # what the bundle serves (manifest tasks)
+    labels: tuple[str, ...] = ()  # the classification head's labels, in id order
+    problem_type: str = ""  # its Hugging Face problem_type: how scores are computed from logits
+    pair_types: bool = False  # the head has a token type delta: a pair's second text gets token type 1

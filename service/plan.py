@@ -41,7 +41,7 @@ from service.chunking import (
     truncated,
 )
 from service.config import ServiceConfig
-from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput, shown
+from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput, TaskUnavailable, shown
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
 from service.vectors import VectorFields, Vectors, plan_vectors
 
@@ -68,7 +68,7 @@ class Ask:
     """One call, decoded from a door's wire. `inputs`: per sequence, token ids (an int array [T]),
     embeddings (a float32 array [T, d_model]) or a text (str)."""
 
-    inputs: Sequence[np.ndarray | str]
+    inputs: Sequence[np.ndarray | str | tuple[str, str]]
     request_id: str = ""
     return_hidden: bool = True
     pooling: str = "none"  # none | mean | cls | model (a text bundle's own; refused without a tokenizer)
@@ -86,6 +86,12 @@ class Ask:
     dimensions: int | None = None  # Matryoshka: the pooled vector's first n values (service/vectors.py); None: all
     quantization: str = "none"  # none | int8 | uint8 | binary | ubinary, of the pooled vector
     quantization_ranges: tuple[Sequence[float], Sequence[float]] | None = None  # (min, max); None: the model's
+    # A task head's call (service/tasks.py): "classify" (inputs: texts or (text, text) pairs) or "rerank"
+    # (inputs: the texts, each paired with `query`; `top_n` of them answered, 1..len(inputs); None: all).
+    task: str = "embed"
+    query: str | None = None
+    top_n: int | None = None
+    sparse: tuple[int, float] | None = None  # embed: a SPLADE vector per sequence, (top_k (0: all), threshold)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,8 @@ class Names:
     sequences: str = "sequences"
     sequence: str = "sequences[{i}].{kind}"
     element: str = "{sequence}[{j}]"
-    kinds: tuple[tuple[str, str], ...] = (("ids", "token_ids"), ("embeddings", "embeddings"), ("text", "text"))
+    kinds: tuple[tuple[str, str], ...] = (("ids", "token_ids"), ("embeddings", "embeddings"), ("text", "text"),
+                                          ("pair", "pair"))
     request_id: str = "request_id"
     output: str = "output"
     pooling: str = "output.pooling"
@@ -116,6 +123,10 @@ class Names:
     ranges: str = "output.quantization_ranges"
     ranges_min: str = "output.quantization_ranges.min"
     ranges_max: str = "output.quantization_ranges.max"
+    task: str = "task"  # the call's task (the RPC or route: a door names it as its callers know it)
+    query: str = "query"
+    top_n: str = "top_n"
+    sparse: str = "output.sparse"
 
     def vector_fields(self) -> VectorFields:
         return VectorFields(self.dimensions, self.quantization, self.ranges, self.ranges_min, self.ranges_max)
@@ -147,6 +158,9 @@ class Plan:
     return_tokens: bool = False
     chunks: tuple[Chunked | None, ...] = ()  # per sequence, when the call chunks one: its windows (None: whole)
     truncated: tuple[bool, ...] = ()  # per sequence, when the call cut ids or embeddings: whether it did
+    task: str = "embed"  # a head's task: each job's Output.scores hold its logits (service/tasks.py)
+    top_n: int = 0  # rerank: how many of the ranked texts to answer
+    sparse: tuple[int, float] | None = None  # embed: (top_k, threshold) of each sequence's sparse vector
     vectors: Vectors | None = None  # the pooled vectors' dimensions and quantization; None: as computed
 
     def finish(self, outputs: Sequence[Output]) -> list[Output]:
@@ -208,7 +222,9 @@ def _weight(ask: Ask) -> int:
     chars = tokens = 0
     for item in ask.inputs:
         if isinstance(item, str):
-            chars += len(item)
+            chars += len(item) + len(ask.query or "")
+        elif isinstance(item, tuple):
+            chars += len(item[0]) + len(item[1])
         else:
             tokens += len(item)
     return max(chars, tokens * INLINE_CHARS // INLINE_TOKENS)
@@ -218,7 +234,12 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
     """`ask` -> its `Plan`, every limit checked (module docstring); InvalidInput names `names`' fields."""
     if len(ask.request_id) > MAX_REQUEST_ID:
         raise InvalidInput(names.request_id, f"at most {MAX_REQUEST_ID} characters; got {len(ask.request_id)}")
+    if ask.task != "embed" or "embed" not in spec.tasks:
+        return plan_head(ask, spec, config, names, response_size)
     inputs = ask.inputs
+    for i, item in enumerate(inputs):
+        if isinstance(item, tuple):
+            raise InvalidInput(names.of(i, "pair"), "text pairs are for classify and rerank, not embeddings")
     check_count(len(inputs), config, names.sequences)
     output_dtype = _float(ask.dtype, names.dtype)
     attention_dtype = _float(ask.attention_dtype, names.attention_dtype)
@@ -233,7 +254,8 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
     if ask.heads not in HEADS:
         raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
     layers = _attention_layers(ask, spec, config, names)
-    if not ask.return_hidden and pooling == POOL_NONE and not layers:
+    head = _sparse(ask, spec, long, names)
+    if not ask.return_hidden and pooling == POOL_NONE and not layers and not head:
         raise InvalidInput(names.output, "nothing to return: hidden states off, no pooling, no attention")
 
     text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
@@ -249,25 +271,129 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
         if encoded is not None:
             token_ids, embeddings = encoded.ids, None
         else:
+            assert not isinstance(item, tuple)  # refused above: pairs are for head tasks
             token_ids, embeddings = _array(i, item, spec, long.mode, names)
         job = Job(token_ids=token_ids, embeddings=embeddings, causal=ask.causal, attn_layers=layers,
                   heads_mean=ask.heads == "mean", pooling=pooling, return_hidden=ask.return_hidden,
-                  normalize=normalize)
+                  normalize=normalize, head=head)
         if lengths[i] > limits[i]:
             windows.append((i, limits[i]))
         jobs.append(job)
     if windows:
         jobs, chunks, cut = _fit(jobs, windows, long, names, lambda i: names.of(i, _kind(inputs[i])))
         fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut,
-                      vectors=vectors)
+                      vectors=vectors, sparse=ask.sparse)
     else:
-        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, vectors=vectors)
+        fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, vectors=vectors,
+                      sparse=ask.sparse)
     _check_sizes(fitted, spec, config, names, response_size)
     return fitted
 
 
-def _kind(item: np.ndarray | str) -> str:
+def _kind(item: np.ndarray | str | tuple[str, str]) -> str:
+    if isinstance(item, tuple):
+        return "pair"
     return "text" if isinstance(item, str) else "ids" if item.ndim == 1 else "embeddings"
+
+
+HEAD_TASKS = ("classify", "rerank")
+
+
+def check_task(task: str, spec: ModelSpec, field: str) -> None:
+    """A task the served model has (manifest tasks), else TaskUnavailable naming it."""
+    if task not in spec.tasks:
+        raise TaskUnavailable(field, f"model {spec.name} does not serve {shown(task)}; it serves "
+                              f"{', '.join(spec.tasks)} (docs/tasks.md)")
+
+
+def plan_head(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, response_size: ResponseSize) -> Plan:
+    """A head task's call (classify, rerank): texts or pairs tokenized (pairs as the HF tokenizer pairs them),
+    each one sequence for the batcher, limits counted per sequence (a rerank's query once per pair)."""
+    check_task(ask.task, spec, names.task)
+    if ask.task not in HEAD_TASKS:
+        raise TaskUnavailable(names.task, f"{shown(ask.task)} is not a head task ({', '.join(HEAD_TASKS)})")
+    inputs = list(ask.inputs)
+    if ask.task == "rerank":
+        if not ask.query:
+            raise InvalidInput(names.query, "must not be empty")
+        check_count(len(inputs), config, names.sequences, "texts")
+        if ask.top_n is not None and not 1 <= ask.top_n <= len(inputs):
+            raise InvalidInput(names.top_n, f"must be 1..{len(inputs)} (the number of texts), or unset; "
+                               f"got {ask.top_n}")
+        pairs: list[str | tuple[str, str]] = []
+        for i, item in enumerate(inputs):
+            if not isinstance(item, str):
+                raise InvalidInput(names.of(i, "text"), "must be a text")
+            pairs.append((ask.query, item))
+    else:
+        check_count(len(inputs), config, names.sequences)
+        if ask.top_n is not None or ask.query is not None:
+            raise InvalidInput(names.top_n if ask.top_n is not None else names.query, "applies to rerank only")
+        pairs = []
+        for i, item in enumerate(inputs):
+            if not isinstance(item, str | tuple):
+                raise InvalidInput(names.of(i, _kind(item)), "must be a text or a pair of texts")
+            pairs.append(item)
+    takes_text(spec, names.of(0, _kind(pairs[0])))
+    assert spec.tokenizer is not None
+    if ask.long_inputs not in (None, ERROR, TRUNCATE):
+        raise InvalidInput(names.long_inputs, f"must be error or truncate for {ask.task}; got {shown(ask.long_inputs)}")
+    if ask.chunk_stride:
+        raise InvalidInput(names.chunk_stride, f"applies to chunked embeddings, not to {ask.task}")
+    truncate = ask.long_inputs == TRUNCATE or (ask.truncate and ask.long_inputs is None)
+    chars = sum(len(p) if isinstance(p, str) else len(p[0]) + len(p[1]) for p in pairs)
+    if chars > config.max_text_chars:
+        raise InvalidInput(names.texts, f"{chars} characters of text in all (a query counted once per text); "
+                           f"at most {config.max_text_chars} per call")
+    tokenizer = spec.tokenizer
+    singles = [i for i, p in enumerate(pairs) if isinstance(p, str)]
+    doubles = [i for i, p in enumerate(pairs) if isinstance(p, tuple)]
+    encoded: list[Encoded | None] = [None] * len(pairs)
+    for where, got in ((singles, tokenizer.encode([str(pairs[i]) for i in singles], truncate=truncate)),
+                       (doubles, tokenizer.encode_pairs([pairs[i] for i in doubles  # type: ignore[misc]
+                                                         ], truncate=truncate))):
+        for i, enc in zip(where, got, strict=True):
+            encoded[i] = enc
+    limit = tokenizer.settings.max_tokens
+    total = 0
+    jobs: list[Job] = []
+    layers = _attention_layers(ask, spec, config, names)
+    if ask.heads not in HEADS:
+        raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
+    attention_dtype = _float(ask.attention_dtype, names.attention_dtype)
+    for i, one in enumerate(encoded):
+        assert one is not None
+        enc = one
+        field = names.of(i, _kind(ask.inputs[i]))
+        if len(enc.ids) > limit:
+            raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's limit "
+                               f"of {limit}; shorten it, or set truncate to cut it")
+        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
+            raise InvalidInput(field, f"the tokenizer gave id {int(enc.ids.max())}, outside the model's "
+                               f"vocabulary of {spec.vocab_size}")
+        total += len(enc.ids)
+        types = enc.type_ids if spec.pair_types and enc.type_ids is not None and enc.type_ids.any() else None
+        jobs.append(Job(token_ids=enc.ids, embeddings=None, attn_layers=layers, heads_mean=ask.heads == "mean",
+                        return_hidden=False, head=ask.task, token_types=types))
+    if total > config.max_tokens_per_call:
+        raise InvalidInput(names.sequences, f"{total} tokens in all; at most {config.max_tokens_per_call} per call")
+    top_n = ask.top_n if ask.top_n is not None else len(jobs)
+    fitted = Plan(ask.request_id, jobs, "float32", attention_dtype, tuple(encoded), ask.return_tokens,
+                  task=ask.task, top_n=top_n)
+    _check_sizes(fitted, spec, config, names, response_size)
+    return fitted
+
+
+def head_response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
+    """A head task's response, bounded from above: per sequence its scores (a float and a label each), index,
+    its text echoed (4 bytes a token's worth of characters, generously) and tokens; the attention weights."""
+    labels = sum(len(label.encode()) + 16 for label in spec.labels) or 16
+    texts = sum(16 + 8 * job.length for job in plan.jobs) if plan.return_tokens else 0
+    attention = attention_bytes(plan, spec)
+    per_attention = sum(_tensor_field((len(j.attn_layers), 1 if j.heads_mean else spec.n_heads, j.length, j.length),
+                                      ITEMSIZE[plan.attention_dtype]) for j in plan.jobs if j.attn_layers)
+    total = 256 + len(plan.jobs) * (32 + labels) + texts + per_attention
+    return Sizes(attention, total)
 
 
 def _check_tokens(lengths: list[int], limits: list[int], long: LongInputs, config: ServiceConfig, names: Names,
@@ -318,6 +444,21 @@ def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, name
         cut.append(i in long_at and long.mode == TRUNCATE)
     return (out, tuple(chunks) if any(c is not None for c in chunks) else (),
             tuple(cut) if any(cut) else ())
+
+
+def _sparse(ask: Ask, spec: ModelSpec, long: LongInputs, names: Names) -> str:
+    """"sparse" (the head of each job) when the call asks for SPLADE vectors, checked; else ""."""
+    if ask.sparse is None:
+        return ""
+    check_task("sparse", spec, names.sparse)
+    top_k, threshold = ask.sparse
+    if isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0:
+        raise InvalidInput(f"{names.sparse}.top_k", f"must be >= 0 (0: all); got {shown(top_k)}")
+    if not math.isfinite(threshold) or threshold < 0:
+        raise InvalidInput(f"{names.sparse}.threshold", f"must be a finite number >= 0; got {shown(threshold)}")
+    if long.mode == CHUNK:
+        raise InvalidInput(names.sparse, "is not available with chunked long inputs; truncate them instead")
+    return "sparse"
 
 
 def _float(dtype: str, field: str) -> str:
@@ -515,6 +656,9 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
         if job.attn_layers:
             heads = 1 if job.heads_mean else spec.n_heads
             body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)
+        if plan.sparse is not None:  # packed int32 indices (at most 5 bytes each) and float values
+            entries = min(plan.sparse[0] or spec.vocab_size, spec.vocab_size)
+            body += _field(_field(5 * entries) + _field(4 * entries))
         total += _field(body)
     if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
         total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)

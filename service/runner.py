@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from model.bundle import LoadedBundle, has_diagnostics, load_bundle
+from model.heads import pair_embeddings
 from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
@@ -74,6 +75,8 @@ class Runner:
         self.precision = resolve_precision(config.precision, self.device)
         self._module: Any = None
         self._fp32_module: Any = None
+        self._heads: dict[str, Any] = {}  # task -> its scripted head (model/heads.py), fp32, on the device
+        self._tables: dict[int, torch.Tensor | None] = {}  # id(module) -> its word table, for pairs' token types
         self.spec: ModelSpec | None = None
         self._cuda = self.device.type == "cuda"
         self._finished_at = 0.0  # perf_counter when the last batch finished (see _busy_since)
@@ -93,9 +96,14 @@ class Runner:
         log.info("precision %s: %s", choice.precision, choice.reason)
         self.precision = choice.precision
         self._module = bundle.module
+        self._heads = dict(bundle.heads)
+        self._tables = {id(bundle.module): bundle.token_embeddings}
         if self.precision != "fp32" and self._config.nonfinite_policy == "retry":
-            self._fp32_module = fp32 or load_bundle(self._bundle_dir, device=str(self.device)).module
+            fp32 = fp32 or load_bundle(self._bundle_dir, device=str(self.device))
+            self._fp32_module = fp32.module
+            self._tables[id(fp32.module)] = fp32.token_embeddings
         m, cfg = bundle.manifest, bundle.manifest.config
+        classify = (m.tasks or {}).get("classify") or {}
         self.spec = ModelSpec(
             name=m.name, version=m.version, checksum=m.sha256,
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
@@ -104,6 +112,8 @@ class Runner:
             attention_scale=cfg.scale, standard_scale=cfg.attention_scale is None, relative_bias=cfg.relative_bias,
             precision_reason=choice.reason, precision_forward_ms=choice.forward_ms,
             quantization_ranges=m.quantization_ranges,
+            tasks=m.task_names, labels=tuple(classify.get("labels", ())),
+            problem_type=str(classify.get("problem_type", "")), pair_types=bundle.token_embeddings is not None,
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)
@@ -203,6 +213,9 @@ class Runner:
             launched = [self.launch([Job(ids, None)] * n) for _ in range(2)]
             for batch in launched:
                 _warm(self.finish(batch))
+        for head in sorted(self._heads):  # each task head once, on pairs' embeddings too where it has a type delta
+            types = np.array([0] * 4 + [1] * 4, np.int64) if self._tables.get(id(self._module)) is not None else None
+            _warm(self.execute([Job(ids[:8], None, return_hidden=False, head=head, token_types=types)] * 2))
         if self._fp32_module is not None:
             self._forward(self._fp32_module, [Job(ids[:8], None)])
         if self.diagnostics:
@@ -384,6 +397,9 @@ class Runner:
                 assert job.token_ids is not None  # one key per batch: all ids or all embeddings
                 rows[row, : job.length] = job.token_ids
             ids = ids_host.to(self.device, non_blocking=True)
+            if first.token_types is not None:  # pairs with token type 1: fed as embeddings (model/heads.py)
+                emb = self._pair_embeddings(module, jobs, ids, (B, T))
+                ids = None
         else:
             emb_host = self._host_zeros((B, T, spec.d_model), torch.float32)
             rows_f = emb_host.numpy()
@@ -392,6 +408,37 @@ class Runner:
             dtype = DTYPES[self.precision] if module is self._module else torch.float32
             emb = emb_host.to(self.device, dtype=dtype, non_blocking=True)  # non-blocking: cast on the device
         return ids, emb, lengths_host
+
+    def _pair_embeddings(self, module: Any, jobs: Sequence[Job], ids: torch.Tensor,
+                         shape: tuple[int, int]) -> torch.Tensor:
+        """(B, T, D): the word table's rows plus the head's token type delta where a pair's type is 1."""
+        table = self._tables.get(id(module))
+        head = self._heads.get(jobs[0].head)
+        assert table is not None and head is not None, "token types for a model without a type delta. This is a bug."
+        types_host = self._host_zeros(shape, torch.int64)
+        rows = types_host.numpy()
+        for row, job in enumerate(jobs):
+            assert job.token_types is not None  # one key per batch: all with token types or none
+            rows[row, : job.length] = job.token_types
+        return pair_embeddings(table, head.type_delta, ids, types_host.to(self.device, non_blocking=True))
+
+    def _run_heads(self, jobs: Sequence[Job], hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+        """(B, n_labels) fp32: each row's head logits (rows without a head: zeros); None when no row has one."""
+        names = {job.head for job in jobs if job.head}
+        if not names:
+            return None
+        out: torch.Tensor | None = None
+        for name in sorted(names):
+            rows = [i for i, job in enumerate(jobs) if job.head == name]
+            if len(rows) == len(jobs):
+                scores = self._heads[name](hidden, lengths)
+            else:  # a batch shared with other tasks: the head on its own rows
+                index = torch.tensor(rows, device=hidden.device)
+                part = self._heads[name](hidden.index_select(0, index), lengths.index_select(0, index))
+                scores = torch.zeros((len(jobs), part.shape[1]), device=hidden.device).index_copy(0, index, part)
+            out = scores if out is None else torch.where(
+                torch.tensor([job.head == name for job in jobs], device=hidden.device)[:, None], scores, out)
+        return out
 
     def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Enqueued:
         """Collate, copy in, run, check finiteness and copy out, all queued on the current CUDA stream
@@ -423,6 +470,9 @@ class Runner:
             pooled = None
             if any(job.pooling != POOL_NONE for job in jobs):
                 pooled = _pool(hidden, lengths, normalized=any(job.normalize for job in jobs))
+            scores = self._run_heads(jobs, hidden, lengths)
+            if scores is not None:
+                finite = finite & torch.isfinite(scores).all(dim=1)
             if attention is not None:
                 if first.heads_mean:
                     attention = attention.mean(dim=2, keepdim=True)  # (B, L, 1, T, T)
@@ -432,7 +482,7 @@ class Runner:
             pending = _Enqueued(
                 precision, self._to_host(hidden) if any(job.return_hidden for job in jobs) else None,
                 self._to_host(pooled) if pooled is not None else None, attention, self._to_host(finite), events,
-                time.perf_counter() - started,
+                time.perf_counter() - started, self._to_host(scores) if scores is not None else None,
             )
             if events is not None:
                 events[1].record()
@@ -462,7 +512,8 @@ class Runner:
             seconds = start.elapsed_time(done) / 1e3  # device time: not the wait behind an earlier batch
         finite = pending.finite.tolist()
         self._observer.on_forward(pending.precision, seconds)
-        return _Result(_numpy(pending.hidden), _numpy(pending.pooled), _numpy(pending.attention), finite)
+        return _Result(_numpy(pending.hidden), _numpy(pending.pooled), _numpy(pending.attention), finite,
+                       _numpy(pending.scores))
 
     def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place.
@@ -485,6 +536,7 @@ class _Result:
     pooled: np.ndarray | None  # [B, 2 or 4, D]: (mean, first token[, both L2-normalised]); None without pooling
     attention: np.ndarray | None  # [B, L, H or 1, T, T]
     finite: list[bool]  # per row: hidden states (padding excluded) and attention all finite
+    scores: np.ndarray | None = None  # [B, n_labels]: head logits; None when no row has a head
 
 
 @dataclass(frozen=True)
@@ -499,6 +551,7 @@ class _Enqueued:
     finite: torch.Tensor  # bool [B]
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # (start, done), timing the device work
     seconds: float  # host time of the forward: its duration on CPU
+    scores: torch.Tensor | None = None  # fp32 [B, n_labels]: head logits
 
 
 @dataclass(frozen=True)
@@ -575,4 +628,7 @@ def _split(job: Job, result: _Result, row: int, *, fp32_rerun: bool) -> Output:
     att = None
     if result.attention is not None:
         att = np.ascontiguousarray(result.attention[row, :, :, : job.length, : job.length])  # (L, H, T, T)
-    return Output(hidden, pooled, att, fp32_rerun)
+    scores = None
+    if job.head and result.scores is not None:
+        scores = np.array(result.scores[row], dtype=np.float32)
+    return Output(hidden, pooled, att, fp32_rerun, scores)

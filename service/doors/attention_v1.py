@@ -40,11 +40,13 @@ from service.plan import (
     Names,
     Plan,
     check_count,
+    head_response_bytes,
     plan,
     plan_call,
     response_bytes,
     tokenize,
 )
+from service.tasks import label_scores, ranked, rerank_scores, sparse_entries
 
 NAMES = Names()  # the plan's default names are this door's
 _DTYPE = {pb.DTYPE_UNSPECIFIED: "float32", pb.DTYPE_FLOAT32: "float32", pb.DTYPE_FLOAT16: "float16",
@@ -96,6 +98,22 @@ class AttentionServicer:
 
         return await self._calls.answer("Tokenize", context, work)
 
+    async def classify(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = parse(pb.ClassifyRequest, raw)
+            data: bytes = (await self._classify(request, remaining(context, self._config))).SerializeToString()
+            return data
+
+        return await self._calls.answer("Classify", context, work)
+
+    async def rerank(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def work() -> bytes:
+            request = parse(pb.RerankRequest, raw)
+            data: bytes = (await self._rerank(request, remaining(context, self._config))).SerializeToString()
+            return data
+
+        return await self._calls.answer("Rerank", context, work)
+
     async def encode_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
@@ -133,6 +151,65 @@ class AttentionServicer:
         check_representable(outputs, plan.output_dtype, plan.attention_dtype)
         return _response(plan, done, outputs, spec)
 
+    async def _heads(self, ask: Ask, names: Names, seconds: float) -> tuple[Plan, list[Done], ModelSpec]:
+        """A head task's call planned and computed (service/plan.py plan_head): the plan, every job's Done."""
+        spec, _ = self._calls.serving.require_ready()
+        plan = await plan_call(ask, spec, self._config, names, head_response_bytes)
+        done = await self._calls.compute(plan.jobs, seconds)
+        check_representable([d.output for d in done], plan.output_dtype, plan.attention_dtype)
+        return plan, done, spec
+
+    async def _classify(self, request: pb.ClassifyRequest, seconds: float) -> pb.ClassifyResponse:
+        if request.texts and request.pairs:
+            raise InvalidInput("pairs", "give texts or pairs, not both")
+        field = "pairs" if request.pairs else "texts"
+        check_count(len(request.pairs or request.texts), self._config, field)
+        inputs: list[str | tuple[str, str]] = (
+            [(p.first, p.second) for p in request.pairs] if request.pairs else list(request.texts))
+        attention, heads, attention_dtype = _attention(request.attention)
+        ask = Ask(inputs=inputs, request_id=request.request_id, return_hidden=False, task="classify",
+                  truncate=request.truncate, attention=attention, heads=heads, attention_dtype=attention_dtype)
+        names = Names(sequences=field, sequence=field + "[{i}]", texts=field, task="Classify")
+        plan, done, spec = await self._heads(ask, names, seconds)
+        response = pb.ClassifyResponse(request_id=plan.request_id)
+        _metadata(response.metadata, done, spec)
+        wire = _WIRE_DTYPE[plan.attention_dtype]
+        for job, d, text in zip(plan.jobs, done, plan.texts, strict=True):
+            assert d.output.scores is not None and text is not None
+            scores = label_scores(d.output.scores, spec.problem_type, request.raw_scores)
+            result = response.results.add(token_count=job.length, truncated=text.truncated)
+            for label, score in zip(spec.labels, scores.tolist(), strict=True):
+                result.scores.add(label=label, score=score)
+            if d.output.attention is not None:
+                fill_tensor(result.attention, d.output.attention, wire)
+        return response
+
+    async def _rerank(self, request: pb.RerankRequest, seconds: float) -> pb.RerankResponse:
+        check_count(len(request.texts), self._config, "texts", "texts")
+        attention, heads, attention_dtype = _attention(request.attention)
+        ask = Ask(inputs=list(request.texts), request_id=request.request_id, return_hidden=False, task="rerank",
+                  query=request.query, top_n=request.top_n if request.HasField("top_n") else None,
+                  truncate=request.truncate, attention=attention, heads=heads, attention_dtype=attention_dtype)
+        names = Names(sequences="texts", sequence="texts[{i}]", texts="texts", task="Rerank")
+        plan, done, spec = await self._heads(ask, names, seconds)
+        response = pb.RerankResponse(request_id=plan.request_id)
+        _metadata(response.metadata, done, spec)
+        logits = [d.output.scores for d in done]
+        assert all(x is not None for x in logits), "a head's scores are missing. This is a bug."
+        scores = rerank_scores([x for x in logits if x is not None], request.raw_scores)
+        wire = _WIRE_DTYPE[plan.attention_dtype]
+        for i in ranked(scores, plan.top_n):
+            text = plan.texts[i]
+            assert text is not None
+            result = response.results.add(index=i, score=scores[i], token_count=plan.jobs[i].length,
+                                          truncated=text.truncated)
+            if request.return_text:
+                result.text = request.texts[i]
+            attention_out = done[i].output.attention
+            if attention_out is not None:
+                fill_tensor(result.attention, attention_out, wire)
+        return response
+
     def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
         """Encode's own tokenization (service/validation.py `tokenize`: limits, prompt, truncation, errors)."""
         spec, _ = self._calls.serving.require_ready()
@@ -159,6 +236,7 @@ class AttentionServicer:
             batch_budget=pb.BatchBudget(max_batch_tokens=spec.max_batch_tokens, reason=spec.batch_reason,
                                         tokens_per_second=spec.batch_curve),
             quantization_ranges=_ranges(spec.quantization_ranges),
+            tasks=spec.tasks, labels=spec.labels,
             limits=pb.Limits(
                 max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
@@ -181,6 +259,8 @@ class AttentionServicer:
             "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream, response_serializer=serialize),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.get_model_info, response_serializer=serialize),
             "Tokenize": grpc.unary_unary_rpc_method_handler(self.tokenize, response_serializer=serialize),
+            "Classify": grpc.unary_unary_rpc_method_handler(self.classify, response_serializer=serialize),
+            "Rerank": grpc.unary_unary_rpc_method_handler(self.rerank, response_serializer=serialize),
         })
 
 
@@ -192,6 +272,26 @@ def _stream_error(request_id: str, error: ServiceError) -> pb.EncodeResponse:
     """A failed EncodeStream request's answer: the same code and message a unary call would get."""
     return pb.EncodeResponse(request_id=request_id, error=pb.StreamError(
         code=status_of(error), message=public(error.message), field=public(getattr(error, "field", ""))))
+
+
+def _attention(att: pb.AttentionOptions) -> tuple[tuple[int, ...] | None, str, str]:
+    """A head call's AttentionOptions as the plan's (layers or None, heads, dtype), checked as Encode's."""
+    for value, table, field in ((att.dtype, _DTYPE, "attention.dtype"), (att.heads, _HEADS, "attention.heads")):
+        if value not in table:
+            raise InvalidInput(field, f"must be FLOAT32, FLOAT16 or BFLOAT16; got {dtype_name(value)}"
+                               if table is _DTYPE else f"unknown value {value}")
+    if att.layers and not att.return_attention:
+        raise InvalidInput("attention.layers", "given, but return_attention is false")
+    return (tuple(att.layers) if att.return_attention else None), _HEADS[att.heads], _DTYPE[att.dtype]
+
+
+def _metadata(m: pb.ResponseMetadata, done: Sequence[Done], spec: ModelSpec) -> None:
+    """A head call's ResponseMetadata: the widest batch that carried one of its sequences, as Encode's."""
+    widest = max(done, key=lambda d: d.batch_size)
+    m.queue_us, m.compute_us = int(max(d.queue_s for d in done) * 1e6), int(max(d.compute_s for d in done) * 1e6)
+    m.batch_size, m.padded_length = widest.batch_size, widest.padded_length
+    m.fp32_retry = any(d.output.fp32_rerun for d in done)
+    m.precision, m.device, m.model_name, m.model_version = spec.precision, spec.device, spec.name, spec.version
 
 
 def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec: ModelSpec) -> pb.EncodeResponse:
@@ -228,6 +328,10 @@ def _response(plan: Plan, done: Sequence[Done], outputs: Sequence[Output], spec:
             fill_tensor(seq.pooled, out.pooled, pooled_dtype)
         if out.attention is not None:
             fill_tensor(seq.attention, out.attention, attention_dtype)
+        if plan.sparse is not None and out.scores is not None:
+            indices, values = sparse_entries(out.scores, *plan.sparse)
+            seq.sparse.indices.extend(indices.tolist())
+            seq.sparse.values.extend(values.tolist())
     return response
 
 
@@ -258,6 +362,7 @@ def ask_of(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) ->
         dimensions=out.dimensions or None, quantization=_QUANTIZATION[out.quantization],
         quantization_ranges=(tuple(out.quantization_ranges.min), tuple(out.quantization_ranges.max))
         if out.HasField("quantization_ranges") else None,
+        sparse=(out.sparse.top_k, out.sparse.threshold) if out.HasField("sparse") else None,
     )
 
 

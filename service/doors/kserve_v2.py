@@ -79,6 +79,7 @@ PLATFORM = "pytorch_libtorch"  # Triton's name for a TorchScript model
 
 IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
 HIDDEN, POOLED, EMBEDDINGS, ATTENTION = "last_hidden_state", "pooled", "embeddings", "attention"
+SPARSE, LOGITS = "sparse", "logits"  # task heads (docs/tasks.md): SPLADE weights [vocab]; classifier logits [labels]
 DEFAULT_OUTPUTS = (HIDDEN, POOLED)
 _INT_TYPES: dict[str, np.dtype[Any]] = {"INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
 _FLOAT_TYPES = _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
@@ -245,6 +246,10 @@ class KServeServicer:
     def _outputs(self, spec: ModelSpec) -> list[tuple[str, list[int]]]:
         """Each output and its dims after the batch dim (-1: variable)."""
         outputs = [(HIDDEN, [-1, spec.d_model]), (POOLED, [spec.d_model])]
+        if "sparse" in spec.tasks:
+            outputs.append((SPARSE, [spec.vocab_size]))
+        if "classify" in spec.tasks:
+            outputs.append((LOGITS, [len(spec.labels)]))
         if self._config.allow_attention:
             outputs.append((ATTENTION, [-1, -1, -1, -1]))  # layers asked, heads (or 1), T, T
         return outputs
@@ -309,7 +314,7 @@ class KServeServicer:
         if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
             seconds = min(seconds, timeout_us / 1e6)
         spec = self._served(request.model_name, request.model_version)
-        outputs = _requested(request, self._config.allow_attention)
+        outputs = _requested(request, self._config.allow_attention, spec)
         inputs, texts = _inputs(request, spec, self._config)
         ask = _ask(request, params, outputs, spec)
         if texts is not None:
@@ -357,7 +362,7 @@ IDS_NAMES = Names(
     attention_dtype="parameters.attention_datatype", long_inputs="parameters.long_inputs",
     chunk_stride="parameters.chunk_stride", texts=TEXT, dimensions="parameters.dimensions",
     quantization="parameters.quantization", ranges="parameters.quantization_min",
-    ranges_min="parameters.quantization_min", ranges_max="parameters.quantization_max")
+    ranges_min="parameters.quantization_min", ranges_max="parameters.quantization_max", task=LOGITS, sparse=SPARSE)
 TEXT_NAMES = dataclasses.replace(IDS_NAMES, sequences=TEXT)
 
 
@@ -371,7 +376,9 @@ def _sizes(plan: Plan, spec: ModelSpec, padded_to: int) -> Sizes:
     hidden = sum(padded_to for job in plan.sequences if job.return_hidden) * spec.d_model * per_value
     pooled = sum(1 for job in plan.sequences if job.pooling) * math.prod(plan.pooled_size(spec.d_model))
     attention = attention_bytes(plan, spec, padded_to)
-    return Sizes(attention, hidden + pooled + attention + 1024 + len(plan.request_id))  # + names, shapes, params
+    heads = sum(spec.vocab_size if job.head == "sparse" else len(spec.labels) for job in plan.sequences if job.head)
+    heads *= 4 if plan.task != "embed" else per_value
+    return Sizes(attention, hidden + pooled + heads + attention + 1024 + len(plan.request_id))  # + names, shapes
 
 
 def _final_flag(request: Any) -> bool:
@@ -482,6 +489,13 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
     truncate = params.get("truncate", False)
     if not isinstance(truncate, bool):
         raise InvalidInput("parameters.truncate", f"must be a bool; got {shown(truncate)}")
+    if LOGITS in outputs:  # the classification head: its own call (texts in, logits out; attention beside)
+        if set(outputs) - {LOGITS, ATTENTION}:
+            raise InvalidInput("outputs", f"{LOGITS} comes alone (attention may be asked beside it)")
+        return Ask(inputs=(), request_id=request.id, return_hidden=False, task="classify", truncate=truncate,
+                   attention=_layers(params) if wants_attention else None,
+                   heads=_str_param(params, "attention_heads", HEADS, "all"),
+                   attention_dtype=_DTYPE[outputs.get(ATTENTION, "FP32")])
     return Ask(
         inputs=(), request_id=request.id, return_hidden=HIDDEN in outputs, pooling=pooling, normalize=normalize,
         dtype=_DTYPE[dtype], attention=_layers(params) if wants_attention else None,
@@ -491,15 +505,18 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
         truncate=truncate, chunk_stride=_int_param(params, "chunk_stride", 0), prompt_name=prompt,
         dimensions=_dimensions(params), quantization=_str_param(params, "quantization", QUANTIZATIONS, "none"),
         quantization_ranges=_ranges(params),
+        sparse=(0, 0.0) if SPARSE in outputs else None,
     )
 
 
-def _requested(request: Any, allow_attention: bool) -> dict[str, str]:
-    """Requested output name -> datatype, in the order asked (`embeddings` is `pooled` by another name)."""
+def _requested(request: Any, allow_attention: bool, spec: ModelSpec) -> dict[str, str]:
+    """Requested output name -> datatype, in the order asked (`embeddings` is `pooled` by another name;
+    `sparse` and `logits` only for a model with that head)."""
     default = _float_param(request.parameters, "datatype", "parameters.datatype")
     if not request.outputs:
         return dict.fromkeys(DEFAULT_OUTPUTS, default)
-    known = (HIDDEN, POOLED, EMBEDDINGS, ATTENTION)
+    known = (HIDDEN, POOLED, EMBEDDINGS, ATTENTION) + ((SPARSE,) if "sparse" in spec.tasks else ()) + (
+        (LOGITS,) if "classify" in spec.tasks else ())
     outputs: dict[str, str] = {}
     for i, output in enumerate(request.outputs):
         if output.name not in known:
@@ -659,6 +676,8 @@ def _lengths(inputs: dict[str, np.ndarray], batch: int, T: int) -> list[int]:
 
 
 def _array_of(output: Output, name: str) -> np.ndarray | None:
+    if name in (SPARSE, LOGITS):
+        return output.scores
     return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
 
 
@@ -688,6 +707,10 @@ def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequ
             pooled = [r.pooled for r in results if r.pooled is not None]
             assert len(pooled) == batch, "pooled vectors asked for, not all returned. This is a bug."
             array = np.stack(pooled)  # (B, D)
+        elif name in (SPARSE, LOGITS):
+            scores = [r.scores for r in results if r.scores is not None]
+            assert len(scores) == batch, "a head's output asked for, not all returned. This is a bug."
+            array = np.stack(scores)  # (B, vocab) SPLADE weights, or (B, labels) logits
         else:
             attention = [r.attention for r in results if r.attention is not None]
             assert len(attention) == batch, "attention asked for, not all returned. This is a bug."

@@ -9,7 +9,7 @@ Nothing from the socket is unpickled.
     SUBMIT   edge -> model   <dH deadline (time.monotonic, system-wide on Linux), jobs; then each job
     CANCEL   edge -> model   the call's caller is gone: drop its queued jobs
     RESULT   model -> edge   one job's Done: <HddIIB index, queue_s, compute_s, batch size, padded length,
-                             fp32 re-run; then hidden, pooled, attention (arrays, each may be absent)
+                             fp32 re-run; then hidden, pooled, attention, head scores (arrays, each may be absent)
     ERROR    model -> edge   <i index (-1: every job of the call), then the ServiceError as JSON
     DRAIN    model -> edge   <d grace: stop as the service does on SIGTERM
     BYE      edge -> model   JSON: the edge's own call ledger, as it exits
@@ -34,7 +34,8 @@ from service.jobs import Job, ModelSpec, Output
 HEADER = struct.Struct("<IBQ")
 HELLO, READY, SUBMIT, CANCEL, RESULT, ERROR, DRAIN, BYE = range(1, 9)
 _SUBMIT = struct.Struct("<dH")
-_JOB = struct.Struct("<BBH")  # flags, pooling, attention layers
+_JOB = struct.Struct("<BBHB")  # flags, pooling, attention layers, head (an index of _HEADS)
+_HEADS = ("", "classify", "rerank", "sparse")
 _RESULT = struct.Struct("<HddIIB")
 _ERROR = struct.Struct("<i")
 _DRAIN = struct.Struct("<d")
@@ -46,8 +47,8 @@ _IDS, _EMBEDDINGS, _CAUSAL, _HEADS_MEAN, _HIDDEN, _NORMALIZE = (1 << i for i in 
 # What SUBMIT and RESULT carry of a Job, an Output and a Done: a field added there must be added here
 # too (tests/service/test_multiproc.py holds these to the dataclasses, so none is dropped silently).
 JOB_FIELDS = frozenset({"token_ids", "embeddings", "causal", "attn_layers", "heads_mean", "pooling",
-                        "return_hidden", "normalize"})
-OUTPUT_FIELDS = frozenset({"hidden", "pooled", "attention", "fp32_rerun"})
+                        "return_hidden", "normalize", "head", "token_types"})
+OUTPUT_FIELDS = frozenset({"hidden", "pooled", "attention", "fp32_rerun", "scores"})
 DONE_FIELDS = frozenset({"output", "queue_s", "compute_s", "batch_size", "padded_length"})
 
 
@@ -108,9 +109,9 @@ def submit(call: int, deadline: float, jobs: list[Job]) -> bytes:
         flags = ((_IDS if job.token_ids is not None else 0) | (_EMBEDDINGS if job.embeddings is not None else 0)
                  | (_CAUSAL if job.causal else 0) | (_HEADS_MEAN if job.heads_mean else 0)
                  | (_HIDDEN if job.return_hidden else 0) | (_NORMALIZE if job.normalize else 0))
-        parts += [_JOB.pack(flags, job.pooling, len(job.attn_layers)),
+        parts += [_JOB.pack(flags, job.pooling, len(job.attn_layers), _HEADS.index(job.head)),
                   struct.pack(f"<{len(job.attn_layers)}H", *job.attn_layers)]
-        parts += _array(job.token_ids) + _array(job.embeddings)
+        parts += _array(job.token_ids) + _array(job.embeddings) + _array(job.token_types)
     return frame(SUBMIT, call, *parts)
 
 
@@ -119,18 +120,22 @@ def read_submit(body: memoryview) -> tuple[float, list[Job]]:
     at = _SUBMIT.size
     jobs = []
     for _ in range(count):
-        flags, pooling, layers = _JOB.unpack_from(body, at)
+        flags, pooling, layers, head = _JOB.unpack_from(body, at)
         at += _JOB.size
+        if head >= len(_HEADS):
+            raise FrameError(f"head code {head}")
         attn_layers = struct.unpack_from(f"<{layers}H", body, at)
         at += 2 * layers
         # Copied: the runner hands them to torch, which wants writable arrays.
         ids, at = _read_array(body, at, copy=True)
         embeddings, at = _read_array(body, at, copy=True)
+        types, at = _read_array(body, at, copy=True)
         if (ids is None) == (embeddings is None):
             raise FrameError("a job needs token ids or embeddings")
         jobs.append(Job(ids, embeddings, causal=bool(flags & _CAUSAL), attn_layers=tuple(attn_layers),
                         heads_mean=bool(flags & _HEADS_MEAN), pooling=pooling,
-                        return_hidden=bool(flags & _HIDDEN), normalize=bool(flags & _NORMALIZE)))
+                        return_hidden=bool(flags & _HIDDEN), normalize=bool(flags & _NORMALIZE),
+                        head=_HEADS[head], token_types=types))
     return deadline, jobs
 
 
@@ -140,7 +145,7 @@ def result(call: int, index: int, done: Done) -> bytes:
     out: Output = done.output
     return frame(RESULT, call, _RESULT.pack(index, done.queue_s, done.compute_s, done.batch_size,
                                             done.padded_length, out.fp32_rerun),
-                 *_array(out.hidden), *_array(out.pooled), *_array(out.attention))
+                 *_array(out.hidden), *_array(out.pooled), *_array(out.attention), *_array(out.scores))
 
 
 def read_result(body: memoryview) -> tuple[int, Done]:
@@ -149,7 +154,8 @@ def read_result(body: memoryview) -> tuple[int, Done]:
     hidden, at = _read_array(body, at, copy=False)
     pooled, at = _read_array(body, at, copy=False)
     attention, at = _read_array(body, at, copy=False)
-    return index, Done(Output(hidden, pooled, attention, bool(rerun)), queue_s, compute_s, size, padded)
+    scores, at = _read_array(body, at, copy=False)
+    return index, Done(Output(hidden, pooled, attention, bool(rerun), scores), queue_s, compute_s, size, padded)
 
 
 _EXTRAS = ("field", "description", "retry_after_s", "ref")
@@ -216,6 +222,9 @@ def read_hello(body: memoryview) -> tuple[ModelSpec, int, str]:
     spec["batch_curve"] = {int(tokens): rate for tokens, rate in spec.get("batch_curve", {}).items()}  # JSON keys
     if spec.get("quantization_ranges") is not None:  # JSON made the tuples lists
         spec["quantization_ranges"] = tuple(tuple(values) for values in spec["quantization_ranges"])
+    for key in ("tasks", "labels"):  # JSON lists
+        if key in spec:
+            spec[key] = tuple(spec[key])
     return ModelSpec(**spec, tokenizer=tokenizer), int(data["workers"]), str(data["auth_tokens"])
 
 

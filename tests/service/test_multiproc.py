@@ -417,23 +417,26 @@ def test_jobs_and_results_cross_bit_for_bit():
     rng = np.random.default_rng(1)
     jobs = [Job(rng.integers(0, 100, 9), None, causal=True, attn_layers=(0, 3), heads_mean=True, pooling=POOL_CLS,
                 return_hidden=False, normalize=True),
-            Job(None, rng.standard_normal((4, 32)).astype(np.float32))]
+            Job(None, rng.standard_normal((4, 32)).astype(np.float32)),
+            Job(rng.integers(0, 100, 5), None, return_hidden=False, head="rerank",
+                token_types=np.array([0, 0, 1, 1, 1], np.int64))]
     kind, call, body = _parse(frames.submit(11, 123.5, jobs))
     deadline, back = frames.read_submit(body)
     assert (kind, call, deadline) == (frames.SUBMIT, 11, 123.5)
     for a, b in zip(jobs, back, strict=True):
-        assert (a.causal, a.attn_layers, a.heads_mean, a.pooling, a.return_hidden, a.normalize) == (
-            b.causal, b.attn_layers, b.heads_mean, b.pooling, b.return_hidden, b.normalize)
-        for x, y in ((a.token_ids, b.token_ids), (a.embeddings, b.embeddings)):
+        assert (a.causal, a.attn_layers, a.heads_mean, a.pooling, a.return_hidden, a.normalize, a.head) == (
+            b.causal, b.attn_layers, b.heads_mean, b.pooling, b.return_hidden, b.normalize, b.head)
+        for x, y in ((a.token_ids, b.token_ids), (a.embeddings, b.embeddings), (a.token_types, b.token_types)):
             assert (x is None and y is None) or (x.dtype == y.dtype and np.array_equal(x, y) and y.flags.writeable)
     out = Output(rng.standard_normal((9, 32)).astype(np.float32), None,
-                 rng.standard_normal((2, 1, 9, 9)).astype(np.float32), True)
+                 rng.standard_normal((2, 1, 9, 9)).astype(np.float32), True, np.array([0.5, -2.0], np.float32))
     kind, call, body = _parse(frames.result(11, 1, Done(out, 0.01, 0.02, 5, 9)))
     index, done = frames.read_result(body)
     assert (kind, call, index, done.queue_s, done.compute_s, done.batch_size, done.padded_length) == (
         frames.RESULT, 11, 1, 0.01, 0.02, 5, 9)
     assert done.output.pooled is None and done.output.fp32_rerun
     assert done.output.hidden.tobytes() == out.hidden.tobytes() and done.output.attention.shape == (2, 1, 9, 9)
+    assert done.output.scores is not None and done.output.scores.tolist() == [0.5, -2.0]
 
 
 async def test_a_frame_over_its_bound_or_of_no_kind_is_refused():

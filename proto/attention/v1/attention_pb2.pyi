@@ -89,7 +89,7 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens", "dimensions", "quantization", "quantization_ranges")
+    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens", "dimensions", "quantization", "quantization_ranges", "sparse")
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class OutputOptions(_message.Message):
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_RANGES_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     return_hidden: bool
     pooling: Pooling
     dtype: DType
@@ -108,7 +109,8 @@ class OutputOptions(_message.Message):
     dimensions: int
     quantization: Quantization
     quantization_ranges: QuantizationRanges
-    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ..., dimensions: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ...) -> None: ...
+    sparse: SparseOptions
+    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ..., dimensions: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., sparse: _Optional[_Union[SparseOptions, _Mapping]] = ...) -> None: ...
 
 class QuantizationRanges(_message.Message):
     __slots__ = ("min", "max")
@@ -117,6 +119,22 @@ class QuantizationRanges(_message.Message):
     min: _containers.RepeatedScalarFieldContainer[float]
     max: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, min: _Optional[_Iterable[float]] = ..., max: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SparseOptions(_message.Message):
+    __slots__ = ("top_k", "threshold")
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    top_k: int
+    threshold: float
+    def __init__(self, top_k: _Optional[int] = ..., threshold: _Optional[float] = ...) -> None: ...
+
+class SparseVector(_message.Message):
+    __slots__ = ("indices", "values")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, indices: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AttentionOptions(_message.Message):
     __slots__ = ("return_attention", "layers", "heads", "dtype")
@@ -173,7 +191,7 @@ class ResponseMetadata(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., padded_length: _Optional[int] = ..., precision: _Optional[str] = ..., fp32_retry: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows")
+    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows", "sparse")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +201,7 @@ class SequenceOutput(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     pooled: Tensor
     attention: Tensor
@@ -192,7 +211,8 @@ class SequenceOutput(_message.Message):
     token_ids: Tensor
     tokens: _containers.RepeatedScalarFieldContainer[str]
     windows: int
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ...) -> None: ...
+    sparse: SparseVector
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ..., sparse: _Optional[_Union[SparseVector, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "field")
@@ -262,7 +282,7 @@ class TextInfo(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., default_prompt_name: _Optional[str] = ..., tokenizer_checksum: _Optional[str] = ..., max_text_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges")
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges", "tasks", "labels")
     class PrecisionForwardMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +310,8 @@ class ModelInfo(_message.Message):
     PRECISION_FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_BUDGET_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_RANGES_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     checksum: str
@@ -310,7 +332,9 @@ class ModelInfo(_message.Message):
     precision_forward_ms: _containers.ScalarMap[str, float]
     batch_budget: BatchBudget
     quantization_ranges: QuantizationRanges
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ...) -> None: ...
+    tasks: _containers.RepeatedScalarFieldContainer[str]
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchBudget(_message.Message):
     __slots__ = ("max_batch_tokens", "reason", "tokens_per_second")
@@ -356,3 +380,103 @@ class TokenizeResponse(_message.Message):
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedCompositeFieldContainer[TokenizedText]
     def __init__(self, texts: _Optional[_Iterable[_Union[TokenizedText, _Mapping]]] = ...) -> None: ...
+
+class TextPair(_message.Message):
+    __slots__ = ("first", "second")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    SECOND_FIELD_NUMBER: _ClassVar[int]
+    first: str
+    second: str
+    def __init__(self, first: _Optional[str] = ..., second: _Optional[str] = ...) -> None: ...
+
+class ClassifyRequest(_message.Message):
+    __slots__ = ("request_id", "texts", "pairs", "raw_scores", "truncate", "attention")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    pairs: _containers.RepeatedCompositeFieldContainer[TextPair]
+    raw_scores: bool
+    truncate: bool
+    attention: AttentionOptions
+    def __init__(self, request_id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[TextPair, _Mapping]]] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ...) -> None: ...
+
+class LabelScore(_message.Message):
+    __slots__ = ("label", "score")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    score: float
+    def __init__(self, label: _Optional[str] = ..., score: _Optional[float] = ...) -> None: ...
+
+class Classification(_message.Message):
+    __slots__ = ("scores", "token_count", "truncated", "attention")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[LabelScore]
+    token_count: int
+    truncated: bool
+    attention: Tensor
+    def __init__(self, scores: _Optional[_Iterable[_Union[LabelScore, _Mapping]]] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class ClassifyResponse(_message.Message):
+    __slots__ = ("request_id", "results", "metadata")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    results: _containers.RepeatedCompositeFieldContainer[Classification]
+    metadata: ResponseMetadata
+    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., metadata: _Optional[_Union[ResponseMetadata, _Mapping]] = ...) -> None: ...
+
+class RerankRequest(_message.Message):
+    __slots__ = ("request_id", "query", "texts", "top_n", "return_text", "raw_scores", "truncate", "attention")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    query: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    top_n: int
+    return_text: bool
+    raw_scores: bool
+    truncate: bool
+    attention: AttentionOptions
+    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_text: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ...) -> None: ...
+
+class RankedText(_message.Message):
+    __slots__ = ("index", "score", "text", "token_count", "truncated", "attention")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    text: str
+    token_count: int
+    truncated: bool
+    attention: Tensor
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., text: _Optional[str] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class RerankResponse(_message.Message):
+    __slots__ = ("request_id", "results", "metadata")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    results: _containers.RepeatedCompositeFieldContainer[RankedText]
+    metadata: ResponseMetadata
+    def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[RankedText, _Mapping]]] = ..., metadata: _Optional[_Union[ResponseMetadata, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,16 @@ class AttentionServiceStub:
                 request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/attention.v1.AttentionService/Classify',
+                request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.Rerank = channel.unary_unary(
+                '/attention.v1.AttentionService/Rerank',
+                request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankRequest.SerializeToString,
+                response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -88,6 +98,22 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Sequence classification with the model's classification head (TEI's /predict): per text or text pair,
+        a score per label. A model without one (ModelInfo.tasks lacks "classify") answers INVALID_ARGUMENT (task).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rerank(self, request, context):
+        """Cross-encoder reranking (TEI's /rerank): each text paired with the query, scored by the model's one-label
+        head, answered highest first. Without a reranker (ModelInfo.tasks lacks "rerank"): INVALID_ARGUMENT (task).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +136,16 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeRequest.FromString,
                     response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.ClassifyRequest.FromString,
+                    response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Rerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rerank,
+                    request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankRequest.FromString,
+                    response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +256,60 @@ class AttentionService:
             '/attention.v1.AttentionService/Tokenize',
             proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeRequest.SerializeToString,
             proto_dot_attention_dot_v1_dot_attention__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/Classify',
+            proto_dot_attention_dot_v1_dot_attention__pb2.ClassifyRequest.SerializeToString,
+            proto_dot_attention_dot_v1_dot_attention__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/Rerank',
+            proto_dot_attention_dot_v1_dot_attention__pb2.RerankRequest.SerializeToString,
+            proto_dot_attention_dot_v1_dot_attention__pb2.RerankResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,6 +23,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -52,8 +53,9 @@ from service.errors import InvalidInput, NonFiniteInput, NotAcceptable, NotReady
 from service.jobs import ModelSpec
 from service.metrics import Metrics
 from service.output_range import check_representable
-from service.plan import Ask, Plan, plan_call
+from service.plan import Ask, Plan, head_response_bytes, plan_call
 from service.process import port_error
+from service.tasks import label_scores, ranked, rerank_scores, sparse_entries
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,11 @@ def _encode_error(error: ServiceError, status: int) -> dict[str, Any]:
 
 
 ENCODE = Dialect("attention.v1", _encode_error)
+
+
+def dialect_task(task: str) -> str:
+    """A task as the TEI routes name it (the field of a TaskUnavailable)."""
+    return {"rerank": "/rerank", "classify": "/predict"}.get(task, task)
 
 
 def dialect_of(path: str) -> Dialect:
@@ -207,8 +214,11 @@ class HttpDoor:
         self._route("GET", "/v1/models", o, self._models)
         self._route("POST", "/embed", t, self._embed)
         self._route("POST", "/embed_all", t, self._embed_all)
+        self._route("POST", "/embed_sparse", t, self._embed_sparse)
         self._route("POST", "/tokenize", t, self._tokenize)
         self._route("POST", "/decode", t, self._decode)
+        self._route("POST", "/rerank", t, self._rerank)
+        self._route("POST", "/predict", t, self._predict)
         self._route("GET", "/info", t, self._info)
         self._route("GET", "/health", t, self._health, counted=False)
         self._route("GET", "/v2", k, self._server_metadata)
@@ -288,6 +298,21 @@ class HttpDoor:
                                        prompt_name=call.prompt_name, hidden=True)
         return json_response([np.asarray(h, np.float32).tolist() for h in hidden])
 
+    async def _embed_sparse(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        spec = self._spec()
+        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, d_model=spec.d_model,
+                                side=self._side(spec), all_tokens=True)
+        ask = Ask(inputs=call.inputs, return_hidden=False, truncate=call.truncate, prompt_name=call.prompt_name,
+                  sparse=(0, 0.0))
+        plan = await plan_call(ask, spec, self._config, replace(names("inputs"), sparse="/embed_sparse"), json_size)
+        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        out = []
+        for d in done:
+            assert d.output.scores is not None, "a sparse vector is missing. This is a bug."
+            out.append(tei.sparse(*sparse_entries(d.output.scores, 0, 0.0)))
+        return json_response(out)
+
     def _specials(self, spec: ModelSpec) -> frozenset[int]:
         if spec.tokenizer is None:
             return frozenset()
@@ -316,6 +341,35 @@ class HttpDoor:
         if spec.tokenizer is None:
             raise InvalidInput("ids", f"model {spec.name} has no tokenizer to decode with")
         return json_response(spec.tokenizer.decode(rows, skip_special_tokens=skip))
+
+    async def _head_call(self, ask: Ask, field: str) -> tuple[Plan, list[np.ndarray], ModelSpec]:
+        """A head task's call (classify, rerank) planned and computed: the plan, each sequence's logits."""
+        spec = self._spec()
+        plan = await plan_call(ask, spec, self._config, replace(names(field), task=dialect_task(ask.task)),
+                               head_response_bytes)
+        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        logits = [d.output.scores for d in done]
+        assert all(x is not None for x in logits), "a head's scores are missing. This is a bug."
+        return plan, [x for x in logits if x is not None], spec
+
+    async def _rerank(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        call = tei.decode_rerank(body, max_inputs=self._config.max_sequences_per_call, side=self._side(self._spec()))
+        ask = Ask(inputs=call.texts, return_hidden=False, task="rerank", query=call.query, top_n=call.top_n,
+                  truncate=call.truncate)
+        plan, logits, _ = await self._head_call(ask, "texts")
+        scores = rerank_scores(logits, call.raw_scores)
+        return json_response([{"index": i, "score": scores[i], **({"text": call.texts[i]} if call.return_text else {})}
+                              for i in ranked(scores, plan.top_n)])
+
+    async def _predict(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        call = tei.decode_predict(body, max_inputs=self._config.max_sequences_per_call, side=self._side(self._spec()))
+        ask = Ask(inputs=call.inputs, return_hidden=False, task="classify", truncate=call.truncate)
+        _, logits, spec = await self._head_call(ask, "inputs")
+        out = [tei.predictions(spec.labels, label_scores(x, spec.problem_type, call.raw_scores).tolist())
+               for x in logits]
+        return json_response(out if call.batch else out[0])
 
     async def _info(self, request: web.Request) -> web.StreamResponse:
         spec, c = self._spec(), self._config

@@ -63,5 +63,7 @@ def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
     pooled = plan.pooled_size(spec.d_model)[0]
     values = sum((job.length * spec.d_model if job.return_hidden else 0) + (pooled if job.pooling else 0)
                  for job in plan.sequences)
-    return Sizes(0, values * JSON_FLOAT + 64 * len(plan.sequences) + 256)
+    # A sparse vector (/embed_sparse): at most one {"index": ..., "value": ...} per vocabulary entry.
+    entries = spec.vocab_size * sum(job.head == "sparse" for job in plan.sequences)
+    return Sizes(0, values * JSON_FLOAT + entries * (JSON_FLOAT + 24) + 64 * len(plan.sequences) + 256)
 

@@ -3,9 +3,16 @@
 POST /embed      {"inputs", "normalize" (true), "truncate" (false), "truncation_direction" ("right"),
                   "prompt_name", "dimensions"} -> [[float]]
 POST /embed_all  {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[[float]]] (token embeddings)
+POST /embed_sparse {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[{"index", "value"}]] (SPLADE,
+                  the non-zero entries, indices ascending)
 POST /tokenize   {"inputs", "add_special_tokens" (true), "prompt_name"} -> [[{"id", "text", "special",
                   "start", "stop"}]] (start/stop: null, offsets are not kept)
 POST /decode     {"ids", "skip_special_tokens" (true)} -> [str]
+POST /rerank     {"query", "texts", "truncate" (false), "raw_scores" (false), "return_text" (false),
+                  "truncation_direction", "top_n" (ours; all)} -> [{"index", "score"[, "text"]}], highest first
+POST /predict    {"inputs": "text" | ["first", "second"] (one pair) | [["text"] or ["first", "second"], ...],
+                  "truncate", "raw_scores", "truncation_direction"} -> [{"score", "label"}] (highest first) for one
+                  input, [[...]] for a batch
 GET  /info, GET /health
 
 Errors: {"error", "error_type"}; 413 more inputs than max_sequences_per_call, or a body over
@@ -29,6 +36,8 @@ EMBED = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "p
 EMBED_ALL = frozenset({"inputs", "truncate", "truncation_direction", "prompt_name"})
 TOKENIZE = frozenset({"inputs", "add_special_tokens", "prompt_name"})
 DECODE = frozenset({"ids", "skip_special_tokens"})
+RERANK = frozenset({"query", "texts", "truncate", "raw_scores", "return_text", "truncation_direction", "top_n"})
+PREDICT = frozenset({"inputs", "truncate", "raw_scores", "truncation_direction"})
 _ERROR_TYPES = {"INVALID_ARGUMENT": "validation", "FAILED_PRECONDITION": "validation", "NOT_FOUND": "validation",
                 "RESOURCE_EXHAUSTED": "overloaded", "UNAVAILABLE": "unhealthy", "DEADLINE_EXCEEDED": "backend",
                 "UNAUTHENTICATED": "validation", "INTERNAL": "backend", "CANCELLED": "backend"}
@@ -113,3 +122,88 @@ def decode_decode(body: Any, max_inputs: int, vocab_size: int) -> tuple[list[lis
 def tokens(ids: Sequence[int], texts: Sequence[str], special: frozenset[int]) -> list[dict[str, Any]]:
     return [{"id": int(i), "text": t, "special": int(i) in special, "start": None, "stop": None}
             for i, t in zip(ids, texts, strict=True)]
+
+
+@dataclass(frozen=True)
+class RerankCall:
+    query: str
+    texts: list[str]
+    top_n: int | None
+    return_text: bool
+    raw_scores: bool
+    truncate: bool
+
+
+def decode_rerank(body: Any, *, max_inputs: int, side: str) -> RerankCall:
+    body = json_object(body)
+    known_fields(body, RERANK)
+    if "query" not in body:
+        raise InvalidInput("query", "required")
+    query = optional(body, "query", str, "", "a string")
+    texts = body.get("texts")
+    if not isinstance(texts, list):
+        raise InvalidInput("texts", "required: an array of strings")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise InvalidInput(f"texts[{i}]", "must be a string")
+    if len(texts) > max_inputs:
+        raise TooLarge("texts", f"batch size {len(texts)} > maximum allowed batch size {max_inputs}")
+    _direction(body, side)
+    top_n = optional(body, "top_n", int, None, "an integer")
+    return RerankCall(query, texts, top_n, optional(body, "return_text", bool, False, "a boolean"),
+                      optional(body, "raw_scores", bool, False, "a boolean"),
+                      optional(body, "truncate", bool, False, "a boolean"))
+
+
+@dataclass(frozen=True)
+class PredictCall:
+    inputs: list[str | tuple[str, str]]
+    batch: bool  # a batch answers a list per input; a single input its list alone
+    raw_scores: bool
+    truncate: bool
+
+
+def _sequence(value: Any, field: str) -> str | tuple[str, str] | None:
+    """A text, ["text"] or ["first", "second"]; None if it is none of these."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and 1 <= len(value) <= 2 and all(isinstance(v, str) for v in value):
+        return value[0] if len(value) == 1 else (value[0], value[1])
+    return None
+
+
+def decode_predict(body: Any, *, max_inputs: int, side: str) -> PredictCall:
+    body = json_object(body)
+    known_fields(body, PREDICT)
+    if "inputs" not in body:
+        raise InvalidInput("inputs", "required")
+    value = body["inputs"]
+    single = _sequence(value, "inputs")
+    if single is not None and not (isinstance(value, list) and len(value) == 1):
+        inputs, batch = [single], False  # "text", or ["first", "second"]: one pair, as TEI reads it
+    elif isinstance(value, list):
+        inputs = []
+        for i, item in enumerate(value):
+            one = _sequence(item, f"inputs[{i}]")
+            if one is None:
+                raise InvalidInput(f"inputs[{i}]", "must be a string, [\"text\"] or [\"first\", \"second\"]")
+            inputs.append(one)
+        batch = True
+    else:
+        raise InvalidInput("inputs", "must be a string, a pair of strings, or an array of them")
+    if len(inputs) > max_inputs:
+        raise TooLarge("inputs", f"batch size {len(inputs)} > maximum allowed batch size {max_inputs}")
+    _direction(body, side)
+    return PredictCall(inputs, batch, optional(body, "raw_scores", bool, False, "a boolean"),
+                       optional(body, "truncate", bool, False, "a boolean"))
+
+
+def predictions(labels: Sequence[str], scores: Sequence[float]) -> list[dict[str, Any]]:
+    """One input's [{"score", "label"}], highest score first (TEI's order)."""
+    order = sorted(range(len(labels)), key=lambda i: -scores[i])
+    return [{"score": float(scores[i]), "label": labels[i]} for i in order]
+
+
+def sparse(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
+    """One input's /embed_sparse entries."""
+    return [{"index": int(i), "value": float(v)} for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
