@@ -301,8 +301,8 @@ class HttpDoor:
     async def _embed_sparse(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         spec = self._spec()
-        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, d_model=spec.d_model,
-                                side=self._side(spec), all_tokens=True)
+        call = tei.decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=self._side(spec),
+                                all_tokens=True)
         ask = Ask(inputs=call.inputs, return_hidden=False, truncate=call.truncate, prompt_name=call.prompt_name,
                   sparse=(0, 0.0))
         plan = await plan_call(ask, spec, self._config, replace(names("inputs"), sparse="/embed_sparse"), json_size)
