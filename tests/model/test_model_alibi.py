@@ -25,8 +25,11 @@ import torch.nn.functional as F
 from model.__main__ import main
 from model.bundle import BundleError, file_sha256, load_bundle, module_config_facts, read_manifest, save_bundle
 from model.config import TINY, EncoderConfig
-from model.encoder import Encoder, alibi_slopes
+from model.encoder import alibi_slopes
 from model.hf import HFConversionError, convert_hf
+from tests.support.model_helpers import randomized_encoder as _randomized
+from tests.support.model_helpers import reference_act as _act
+from tests.support.model_helpers import reference_norm as _norm
 
 CONFIGS = {
     # jina-bert-v2's shape: post-LN, embedding LayerNorm, GeGLU; a power-of-two head count.
@@ -74,22 +77,6 @@ def test_slopes_are_the_papers_and_transformers() -> None:
     assert alibi_slopes(12)[:8] == alibi_slopes(8)  # 12 heads: 8's slopes, then 16's 1st, 3rd, 5th, 7th
     assert all(math.isclose(a, 2.0 ** (-k / 2), rel_tol=1e-14)
                for a, k in zip(alibi_slopes(12)[8:], (1, 3, 5, 7), strict=True))
-
-
-def _norm(x: torch.Tensor, sd: dict[str, torch.Tensor], name: str, c: EncoderConfig) -> torch.Tensor:
-    w = sd[name + ".weight"]
-    if c.norm == "rms":
-        return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + c.layer_norm_eps) * w
-    return F.layer_norm(x, (c.d_model,), w, sd.get(name + ".bias"), c.layer_norm_eps)
-
-
-def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "gelu":
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if kind == "silu":
-        return x * torch.sigmoid(x)
-    assert kind == "relu"
-    return x.clamp(min=0)
 
 
 def reference(sd32: dict[str, torch.Tensor], c: EncoderConfig, ids: torch.Tensor, lengths: torch.Tensor,
@@ -140,20 +127,6 @@ def reference(sd32: dict[str, torch.Tensor], c: EncoderConfig, ids: torch.Tensor
     if c.final_norm:
         x = _norm(x, sd, "ln_f", c)
     return x, torch.stack(weights, dim=1)
-
-
-def _randomized(config: EncoderConfig, seed: int) -> Encoder:
-    encoder = Encoder(config).init_weights(seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():  # init_weights sets norms to (1, 0): perturb them so their weights and biases count
-        for name, p in encoder.named_parameters():
-            if ".ln" in f".{name}":
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.mul_(0.5)
-    return encoder.eval()
 
 
 def _batch(config: EncoderConfig, lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from model.bundle import BundleError, load_bundle, save_bundle
 from model.config import REFERENCE, TINY, EncoderConfig
 from model.encoder import Encoder
+from tests.support.model_helpers import randomized_encoder as _randomized
+from tests.support.model_helpers import reference_act as _act
+from tests.support.model_helpers import reference_norm as _norm
 
 ROTARY_SWIGLU_RMS = dataclasses.replace(
     TINY, n_layers=3, positional="rotary", rotary_base=500.0, norm="rms", norm_first=True, final_norm=True,
@@ -29,23 +32,6 @@ CONFIGS = {
                                                     linear_bias=False, norm_first=True),
 }
 LENGTHS = [13, 4, 1, 9, 13]
-
-
-def _norm(x: torch.Tensor, sd: dict[str, torch.Tensor], name: str, c: EncoderConfig) -> torch.Tensor:
-    w = sd[name + ".weight"]
-    if c.norm == "rms":
-        return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + c.layer_norm_eps) * w
-    return F.layer_norm(x, (c.d_model,), w, sd.get(name + ".bias"), c.layer_norm_eps)
-
-
-def _act(x: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "gelu":
-        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if kind == "gelu_tanh":
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
-    if kind == "silu":
-        return x * torch.sigmoid(x)
-    return x.clamp(min=0)
 
 
 def _rope(x: torch.Tensor, c: EncoderConfig) -> torch.Tensor:
@@ -98,20 +84,6 @@ def reference_forward(sd: dict[str, torch.Tensor], c: EncoderConfig,
     if c.final_norm:
         x = _norm(x, sd, "ln_f", c)
     return x, torch.stack(weights)
-
-
-def _randomized(config: EncoderConfig, seed: int) -> Encoder:
-    encoder = Encoder(config).init_weights(seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():  # init_weights sets norms to (1, 0): perturb them so their weights and biases count
-        for name, p in encoder.named_parameters():
-            if ".ln" in f".{name}" or name.startswith("ln"):
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.mul_(0.5)
-    return encoder.eval()
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.config import TINY, EncoderConfig
@@ -100,3 +101,36 @@ def linear_rows(fn: Callable[[], object]) -> list[int]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
     return [math.prod(e.input_shapes[0][:-1]) for e in prof.events() if e.name == "aten::linear"]
+
+
+def reference_norm(x: torch.Tensor, sd: dict[str, torch.Tensor], name: str, c: EncoderConfig) -> torch.Tensor:
+    """A LayerNorm or RMSNorm by its definition, with the weights under `name` in `sd`."""
+    w = sd[name + ".weight"]
+    if c.norm == "rms":
+        return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + c.layer_norm_eps) * w
+    return F.layer_norm(x, (c.d_model,), w, sd.get(name + ".bias"), c.layer_norm_eps)
+
+
+def reference_act(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """An activation by its definition."""
+    if kind == "gelu":
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if kind == "gelu_tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    if kind == "silu":
+        return x * torch.sigmoid(x)
+    return x.clamp(min=0)
+
+
+def randomized_encoder(config: EncoderConfig, seed: int) -> Encoder:
+    encoder = Encoder(config).init_weights(seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():  # init_weights sets norms to (1, 0): perturb them so their weights and biases count
+        for name, p in encoder.named_parameters():
+            if ".ln" in f".{name}" or name.startswith("ln"):
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.mul_(0.5)
+    return encoder.eval()
