@@ -15,8 +15,8 @@ The load: one text per call, closed loop at each concurrency, from this process:
 get an OpenAI embeddings request (`{"model", "input": [text]}`, float vectors; /v1/embeddings here,
 /embeddings on Infinity) from one aiohttp session, `grpc` an attention.v1 Encode of the text (pooling
 "model", no hidden states) on one grpc.aio channel, to the same service process as `http`. The texts
-are bench/text_bench.py's seeded mixed-length English set (4-200 words, 7-229 MiniLM tokens, median
-128). Server CPU is user+system time from /proc of the server's process tree over the slice, per call;
+are bench/text_bench.py's seeded mixed-length English set (4-200 words, 6-229 MiniLM tokens, p50
+41). Server CPU is user+system time from /proc of the server's process tree over the slice, per call;
 the idle server's CPU in the same slice is shown too. The load average is read at the start and end of
 every slice, and /proc/cpuinfo's flags once. Bounded: rounds x concurrencies x arms slices of
 `--duration` seconds (and at most `--max-calls` calls each), plus start-up and a warm-up.
