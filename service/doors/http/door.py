@@ -9,6 +9,7 @@ checked as on gRPC (service/doors/security.py), health routes exempt. Limits: th
 to arrive (408), aiohttp's bounds on the request line and headers (8190 bytes each, 128 headers:
 400), `http_keepalive_s` of idle keep-alive. A caller that disconnects cancels its handler, and
 with it its queued work (handler_cancellation; service/doors/calls.py `Calls.compute` cancels its items).
+The caller's deadline is its `grpc-timeout` header, else `default_timeout_s` (service/doors/http/deadline.py).
 
 Every call of a route (health routes aside) is counted in attention_requests_total{method, code} with
 the gRPC code name of its outcome (so the alerts on code="INTERNAL" see this door too), method being
@@ -35,7 +36,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from service.config import ServiceConfig
 from service.doors.attention_v1 import AttentionServicer
 from service.doors.calls import Calls, being_cancelled
-from service.doors.http import kserve_rest, openai, tei
+from service.doors.http import deadline, kserve_rest, openai, tei
 from service.doors.http.inputs import Inputs, json_size, names
 from service.doors.http.wire import (
     JSON,
@@ -191,6 +192,7 @@ class HttpDoor:
             code = "CANCELLED"  # the caller went away (aiohttp cancelled this handler)
             try:
                 try:
+                    deadline.start(request.headers.getall(deadline.HEADER, []), self._config.default_timeout_s)
                     response = await work(request)
                     code = "OK"
                     return response
@@ -254,7 +256,7 @@ class HttpDoor:
         except NonFiniteInput:
             self._metrics.nonfinite_inputs.inc()
             raise
-        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        done = await self._edge.compute(plan.jobs, deadline.remaining())
         outputs = plan.finish([d.output for d in done])
         check_representable(outputs, plan.output_dtype, plan.attention_dtype)
         arrays = [out.hidden if hidden else out.pooled for out in outputs]
@@ -306,7 +308,7 @@ class HttpDoor:
         ask = Ask(inputs=call.inputs, return_hidden=False, truncate=call.truncate, prompt_name=call.prompt_name,
                   sparse=(0, 0.0))
         plan = await plan_call(ask, spec, self._config, replace(names("inputs"), sparse="/embed_sparse"), json_size)
-        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        done = await self._edge.compute(plan.jobs, deadline.remaining())
         out = []
         for d in done:
             assert d.output.scores is not None, "a sparse vector is missing. This is a bug."
@@ -347,7 +349,7 @@ class HttpDoor:
         spec = self._spec()
         plan = await plan_call(ask, spec, self._config, replace(names(field), task=dialect_task(ask.task)),
                                head_response_bytes)
-        done = await self._edge.compute(plan.jobs, self._config.default_timeout_s)
+        done = await self._edge.compute(plan.jobs, deadline.remaining())
         logits = [d.output.scores for d in done]
         assert all(x is not None for x in logits), "a head's scores are missing. This is a bug."
         return plan, [x for x in logits if x is not None], spec
@@ -453,7 +455,7 @@ class HttpDoor:
         header, binary = kserve_rest.split(raw, request.headers.get(kserve_rest.HEADER))
         name, version = self._names(request)
         infer, binary_out = kserve_rest.infer_request(header, binary, name, version)
-        response = await self._kserve._infer(infer, self._config.default_timeout_s)
+        response = await self._kserve._infer(infer, deadline.remaining())
         body, header_length = kserve_rest.infer_response(response, binary_out)
         if header_length is None:
             return web.Response(body=body, content_type=JSON)
@@ -468,7 +470,7 @@ class HttpDoor:
             message = json_format.ParseDict(body, pb.EncodeRequest(), ignore_unknown_fields=False)
         except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
             raise InvalidInput("body", f"not an attention.v1.EncodeRequest: {str(exc)[:160]}") from None
-        response = await self._attention._encode(message, self._config.default_timeout_s)
+        response = await self._attention._encode(message, deadline.remaining())
         return json_response(json_format.MessageToDict(response, preserving_proto_field_name=True))
 
 

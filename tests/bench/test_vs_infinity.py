@@ -1,0 +1,28 @@
+"""bench/vs_infinity.py stays runnable: a bounded run of this service's arm on the tiny text bundle prints a
+row per concurrency (Infinity lives in its own environment, outside the project's requirements)."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import vs_infinity
+
+
+def test_a_bounded_run_of_the_services_doors_prints_a_row_per_door_and_concurrency(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tiny_text_bundle: Path) -> None:
+    # The tiny bundle takes 8 tokens: texts that fit it, so every call must succeed.
+    monkeypatch.setattr(vs_infinity, "make_texts", lambda n: ["a b", "the quick fox", "über café"] * n)
+    assert vs_infinity.main(["--arms", "http", "grpc", "--model", str(tiny_text_bundle), "--rounds", "1", "--duration",
+                             "0.5", "--max-calls", "20", "--warmup", "0.2", "--concurrency", "1", "4",
+                             "--threads", "1", "--texts", "16"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| http |", "| grpc |"))]
+    assert [(r[0].strip(), int(r[1])) for r in rows] == [("http", 1), ("grpc", 1), ("http", 4), ("grpc", 4)]
+    for row in rows:
+        assert float(row[2]) > 0 and float(row[5]) >= 0 and row[8].strip() == "0"  # texts/s, CPU ms/call, errors
+    assert "flags:" in out and "load average" in out
+
+
+def test_tree_cpu_counts_this_process() -> None:
+    assert vs_infinity.tree_cpu_s(os.getpid()) > 0
