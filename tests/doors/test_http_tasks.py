@@ -53,7 +53,12 @@ async def test_rerank_route_in_teis_shape(start_server: Any, bert_reranker: tupl
         r = await http.post("/predict", json={"inputs": [QUERY, TEXTS[0]]})  # one pair, as TEI reads it
         assert r.status_code == 200 and len(r.json()) == 1 and r.json()[0]["label"] == "LABEL_0"
         assert abs(r.json()[0]["score"] - want[0]) <= 1e-5
+        # The caller's deadline (grpc-timeout, docs/http.md) bounds the task routes as it does /embed.
+        for path, body in (("/rerank", {"query": QUERY, "texts": TEXTS}), ("/predict", {"inputs": TEXTS[0]})):
+            short = await http.post(path, json=body, headers={"grpc-timeout": "1u"})
+            assert short.status_code == 504 and "deadline" in short.text, (path, short.text)
     assert s.sample("attention_requests_total", {"method": "POST /rerank", "code": "OK"}) == 2
+    assert s.sample("attention_requests_total", {"method": "POST /rerank", "code": "DEADLINE_EXCEEDED"}) == 1
 
 
 async def test_predict_route_single_and_batch(start_server: Any, bert_classifier: tuple[Path, Path, Any]) -> None:
