@@ -7,6 +7,10 @@ import argparse
 from client.channel import TLS
 
 
+class UsageError(Exception):
+    """Bad flags or input file; exit code 2."""
+
+
 def add_connection_arguments(parser: argparse.ArgumentParser, *, default: object = None) -> None:
     """--target, --timeout and the TLS/token flags; `default=argparse.SUPPRESS` on sub-parsers."""
 

@@ -1,4 +1,5 @@
-"""`python -m client`: encode, tokenize, info, health, plot (attention heatmap) and bench (closed-loop load).
+"""`python -m client`: encode, tokenize, rerank, classify, info, health, plot (attention heatmap) and bench
+(closed-loop load).
 
 Exit codes: 0 ok; 1 the server refused or failed (the status is printed on stderr), or not
 SERVING for `health`; 2 bad usage or an unreadable input file.
@@ -18,17 +19,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from client._args import add_connection_arguments, tls_of, token_of
+from client._args import UsageError, add_connection_arguments, tls_of, token_of
 from client.channel import DEFAULT_TIMEOUT_S, SERVICE
+from client.cli_tasks import add_task_commands
 from client.client import SyncEncoderClient
 from client.entropy import entropy_per_head
 from client.errors import ClientError
-from client.messages import DTYPE_NAMES, EncodeResult, FloatArray, ModelInfo
-
-
-class UsageError(Exception):
-    """Bad flags or input file; exit code 2."""
-
+from client.messages import DTYPE_NAMES, EncodeResult, FloatArray, ModelInfo, SparseOptions, SparseVector
 
 # -- inputs and outputs ---------------------------------------------------------------------------
 
@@ -67,15 +64,18 @@ def read_sequences(args: argparse.Namespace) -> list[Any]:
     return sequences
 
 
-def arrays_of(result: EncodeResult) -> dict[str, FloatArray]:
-    """Named output arrays: `pooled` [N, d_model]; `hidden`/`attention` for one sequence, else
-    `hidden_<i>`/`attention_<i>` (lengths differ)."""
-    out: dict[str, FloatArray] = {}
+def arrays_of(result: EncodeResult) -> dict[str, npt.NDArray[Any]]:
+    """Named output arrays: `pooled` [N, d_model]; `hidden`/`attention`/`sparse_indices`/`sparse_values` for
+    one sequence, else `hidden_<i>`/... (lengths differ)."""
+    out: dict[str, npt.NDArray[Any]] = {}
     if result.pooled:
         out["pooled"] = np.stack(result.pooled)
     for name, arrays in (("hidden", result.hidden), ("attention", result.attention)):
         for i, array in enumerate(arrays):
             out[name if len(result) == 1 else f"{name}_{i}"] = array
+    for i, vector in enumerate(result.sparse):
+        suffix = "" if len(result) == 1 else f"_{i}"
+        out[f"sparse_indices{suffix}"], out[f"sparse_values{suffix}"] = vector.indices, vector.values
     return out
 
 
@@ -90,6 +90,8 @@ def result_json(result: EncodeResult) -> dict[str, Any]:
         for name, arrays in (("hidden", result.hidden), ("pooled", result.pooled), ("attention", result.attention)):
             if arrays:
                 entry[name] = arrays[i].tolist()
+        if result.sparse:
+            entry["sparse"] = {"indices": result.sparse[i].indices.tolist(), "values": result.sparse[i].values.tolist()}
         outputs.append(entry)
     return {"request_id": result.request_id, "metadata": asdict(result.metadata), "outputs": outputs}
 
@@ -134,6 +136,13 @@ def _preview(array: FloatArray, count: int) -> str:
     return f"[{values}{', ...' if flat.size > count else ''}]"
 
 
+def _sparse_preview(vector: SparseVector, count: int) -> str:
+    """The largest entries first, as id:value."""
+    order = vector.values.argsort(kind="stable")[::-1][:count]
+    items = ", ".join(f"{vector.indices[j]}:{vector.values[j]:.4f}" for j in order)
+    return f"[{items}{', ...' if len(vector) > count else ''}]"
+
+
 def format_result(result: EncodeResult, count: int = 4) -> str:
     lines = []
     for i in range(len(result)):
@@ -146,6 +155,9 @@ def format_result(result: EncodeResult, count: int = 4) -> str:
             if arrays:
                 a = arrays[i]
                 lines.append(f"  {name:<9} {str(list(a.shape)):<16} {_preview(a, count)}")
+        if result.sparse:
+            entries = f"{len(result.sparse[i])} entries"
+            lines.append(f"  sparse    {entries:<16} {_sparse_preview(result.sparse[i], count)}")
     m = result.metadata
     lines.append(f"model {m.model_name} v{m.model_version} on {m.device} ({m.precision}); queue {m.queue_us / 1e3:.2f} "
                  f"ms, compute {m.compute_us / 1e3:.2f} ms, batch {m.batch_size} x {m.padded_length}"
@@ -160,6 +172,7 @@ def format_info(info: ModelInfo) -> str:
             ("precision", info.precision), ("device", info.device)]
     rows += [(f"limits.{k}", v) for k, v in asdict(info.limits).items()]
     rows += [(f"text.{k}", v) for k, v in asdict(info.text).items()] if info.text else [("text", "not accepted")]
+    rows += [("tasks", ", ".join(info.tasks))] + ([("labels", ", ".join(info.labels))] if info.labels else [])
     return "\n".join(f"{k:<30} {v}" for k, v in rows)
 
 
@@ -180,12 +193,19 @@ def cmd_encode(args: argparse.Namespace) -> int:
                                heads=args.heads, attention_dtype=args.dtype, causal=args.causal,
                                normalize=args.normalize, prompt_name=args.prompt, truncate=args.truncate,
                                return_tokens=args.tokens, long_inputs=args.long_inputs, stride=args.stride,
-                               request_id=args.request_id)
+                               sparse=_sparse_of(args), request_id=args.request_id)
     if args.out:
         print(write_result(result, Path(args.out)))
     else:
         print(format_result(result, args.preview))
     return 0
+
+
+def _sparse_of(args: argparse.Namespace) -> SparseOptions | bool:
+    """--sparse, or either of its options (which imply it)."""
+    if args.sparse_top_k is None and args.sparse_threshold is None:
+        return bool(args.sparse)
+    return SparseOptions(top_k=args.sparse_top_k or 0, threshold=args.sparse_threshold or 0.0)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
@@ -370,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     invoked = Path(sys.argv[0]).name
     prog = "python -m client" if invoked in ("__main__.py", "-c", "") else invoked  # attention-client, as installed
     parser = argparse.ArgumentParser(prog=prog, description="Command-line client of the attention "
-                                     "encoder service: encode, tokenize, info, health, plot, bench.")
+                                     "encoder service: encode, tokenize, rerank, classify, info, health, plot, bench.")
     add_connection_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     dtypes = DTYPE_NAMES  # exactly the library's output_dtype names
@@ -401,6 +421,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, nargs="+", metavar="L", help="attention layers (negative from the end)")
     p.add_argument("--heads", choices=("all", "mean"), default="all")
     p.add_argument("--dtype", choices=dtypes, default="float32", help="wire precision of the outputs")
+    p.add_argument("--sparse", action="store_true", help="SPLADE sparse vectors (a model with the sparse task)")
+    p.add_argument("--sparse-top-k", type=int, default=None, metavar="K",
+                   help="only the K largest sparse entries (implies --sparse) [default all]")
+    p.add_argument("--sparse-threshold", type=float, default=None, metavar="X",
+                   help="only sparse entries above X (implies --sparse) [default 0: every non-zero one]")
     p.add_argument("--request-id", default="")
     p.add_argument("--out", help="write .npy (one array), .npz or .json instead of printing")
     p.add_argument("--preview", type=int, default=4, help="values shown per array")
@@ -412,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true", help="cut text over the model's token limit")
     p.add_argument("--json", action="store_true", help="as JSON: ids, tokens, token_count, truncated per text")
     p.set_defaults(run=cmd_tokenize)
+
+    add_task_commands(command, _client)
 
     p = command("info", "print the model info and limits")
     p.add_argument("--json", action="store_true", help="as JSON")
@@ -492,6 +519,10 @@ CLI_WORDS: tuple[tuple[str, str], ...] = (
     (r"\bHEADS_MEAN\b", "--heads mean"),
     (r"\bFLOAT16\b", "--dtype float16"),
     (r"\boutput\.pooling\b", "--pooling"),
+    (r"\boutput\.sparse\.top_k\b", "--sparse-top-k"),
+    (r"\boutput\.sparse\.threshold\b", "--sparse-threshold"),
+    (r"\boutput\.sparse\b", "--sparse"),
+    (r"\btop_n\b", "--top-n"),
     (r"\boutput\.normalize\b", "--normalize"),
     (r"\b(?:output\.)?prompt_name\b", "--prompt"),
     (r"\b(?:output|attention)\.dtype\b", "--dtype"),

@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import grpc
 import numpy.typing as npt
@@ -35,6 +35,8 @@ from client.channel import (
 )
 from client.errors import ClientError, InvalidArgument, error_for, from_rpc_error
 from client.messages import (
+    Classification,
+    ClassifyInput,
     DTypeName,
     EncodeOptions,
     EncodeResult,
@@ -43,10 +45,15 @@ from client.messages import (
     ModelInfo,
     Pooling,
     Quantization,
+    RankedText,
     Sequences,
+    SparseOptions,
     StreamRequest,
     Tokenized,
+    build_classify_request,
     build_request,
+    build_rerank_request,
+    sparse_options,
 )
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
@@ -56,6 +63,7 @@ DEFAULT_STREAM_REOPENS = 5
 REOPEN_BACKOFF_S = 0.05
 # The generated *_pb2_grpc module is untyped; its stubs are used as Any.
 _stubs: Any = attention_pb2_grpc
+_M = TypeVar("_M", pb.EncodeRequest, pb.ClassifyRequest, pb.RerankRequest)
 
 
 class _Base:
@@ -97,13 +105,24 @@ class _Base:
         return info
 
     def _request(self, sequences: Sequences, options: EncodeOptions, request_id: str) -> pb.EncodeRequest:
-        request = build_request(sequences, options, request_id)
-        # grpc would refuse it locally with RESOURCE_EXHAUSTED, and the retry policy would try again.
+        return self._sized(build_request(sequences, options, request_id), "sequences")
+
+    def _sized(self, request: _M, field: str) -> _M:
+        """The request, unless it is over max_message_bytes: grpc would refuse it locally with
+        RESOURCE_EXHAUSTED, and the retry policy would try again."""
         size = request.ByteSize()
         if size > self._max_message_bytes:
             raise InvalidArgument("INVALID_ARGUMENT", f"the request is {size} bytes, over max_message_bytes "
-                                  f"{self._max_message_bytes}; split it into several calls", field="sequences")
+                                  f"{self._max_message_bytes}; split it into several calls", field=field)
         return request
+
+    def _rerank_request(self, query: str, texts: Sequence[str], top_n: int | None, raw_scores: bool,
+                        return_text: bool, truncate: bool) -> pb.RerankRequest:
+        return self._sized(build_rerank_request(query, texts, top_n, raw_scores, return_text, truncate), "texts")
+
+    def _classify_request(self, inputs: Sequence[ClassifyInput], raw_scores: bool,
+                          truncate: bool) -> pb.ClassifyRequest:
+        return self._sized(build_classify_request(inputs, raw_scores, truncate), "inputs")
 
     def _deadline(self, timeout: float | None) -> float:
         """Seconds for this call: its own `timeout`, else the client's. Never None: no call goes
@@ -122,10 +141,11 @@ def _options(pooling: Pooling | None, return_hidden: bool, output_dtype: DTypeNa
              layers: Iterable[int] | None, heads: Heads, attention_dtype: DTypeName, causal: bool,
              normalize: bool | None, prompt_name: str, truncate: bool, return_tokens: bool,
              long_inputs: LongInputs | None, stride: int, dimensions: int = 0, quantization: Quantization = "none",
-             quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None) -> EncodeOptions:
+             quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
+             sparse: SparseOptions | bool | None = None) -> EncodeOptions:
     return EncodeOptions(pooling, return_hidden, output_dtype, attention, None if layers is None else tuple(layers),
                          heads, attention_dtype, causal, normalize, prompt_name, truncate, return_tokens,
-                         long_inputs, stride, dimensions, quantization, quantization_ranges)
+                         long_inputs, stride, dimensions, quantization, quantization_ranges, sparse_options(sparse))
 
 
 def _health_status(response: health_pb2.HealthCheckResponse) -> str:
@@ -191,7 +211,8 @@ class EncoderClient(_Base):
                      return_tokens: bool = False, long_inputs: LongInputs | None = None, stride: int = 0,
                      dimensions: int = 0, quantization: Quantization = "none",
                      quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
-                     request_id: str = "", timeout: float | None = None) -> EncodeResult:
+                     sparse: SparseOptions | bool = False, request_id: str = "",
+                     timeout: float | None = None) -> EncodeResult:
         """Encode sequences of token ids ([T] integers), embeddings ([T, d_model] floats) or text (str).
 
         Text needs a model served with a tokenizer (`model_info().text`): `encode(["a sentence", ...])`
@@ -222,11 +243,14 @@ class EncoderClient(_Base):
         `quantization_ranges` = (min, max), each one value or one per dimension (None: the model's,
         `model_info().quantization_ranges`), "binary"/"ubinary" (np.int8/np.uint8 [ceil(n / 8)] of packed
         sign bits). docs/outputs.md has the details.
+        `sparse`: True, or `SparseOptions(top_k=..., threshold=...)`, adds `result.sparse`, one SPLADE
+        `SparseVector` (indices, values) per sequence, for a model whose `model_info().tasks` has "sparse"
+        (docs/tasks.md); other models refuse it (InvalidArgument, field output.sparse).
         Raises `ClientError` subclasses; `InvalidArgument.field` names the offending input.
         """
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
                            normalize, prompt_name, truncate, return_tokens, long_inputs, stride, dimensions,
-                           quantization, quantization_ranges)
+                           quantization, quantization_ranges, sparse)
         loop = asyncio.get_running_loop()
         end = loop.time() + self._deadline(timeout)
         request = await self._build(sequences, options, request_id, end)
@@ -261,6 +285,42 @@ class EncoderClient(_Base):
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return Tokenized.many_from_proto(response)
+
+    async def rerank(self, query: str, texts: Sequence[str], *, top_n: int | None = None, raw_scores: bool = False,
+                     return_text: bool = False, truncate: bool = False,
+                     timeout: float | None = None) -> list[RankedText]:
+        """Score each (query, text) pair with the served cross-encoder (a model whose `model_info().tasks`
+        has "rerank"; docs/tasks.md) and return them best first, as the server orders them (ties in the
+        texts' order): `RankedText(index, score, text, ...)`, `text` None unless `return_text`. Scores are
+        sigmoid(logit) unless `raw_scores`. `top_n` keeps the best n (1..len(texts); None: all).
+        `truncate=True` cuts a pair over the model's token limit (longest first) instead of refusing it.
+        The server refuses an empty query, no texts, a top_n out of range or a model without the task
+        (InvalidArgument; `.field` query, texts, top_n, texts[i], Rerank); wrong Python types raise
+        TypeError before anything is sent."""
+        request = self._rerank_request(query, texts, top_n, raw_scores, return_text, truncate)
+        self._open()
+        try:
+            response = await self._stub.Rerank(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return RankedText.many_from_proto(response, return_text)
+
+    async def classify(self, inputs: Sequence[ClassifyInput], *, raw_scores: bool = False, truncate: bool = False,
+                       timeout: float | None = None) -> list[Classification]:
+        """Classify texts, or (text, text) pairs (all one or all the other), with the served classification
+        head (`model_info().tasks` has "classify"): one `Classification` per input, in order, whose
+        `scores` map each of `model_info().labels` to its score: softmax (sigmoid for multi-label and
+        one-label heads) unless `raw_scores` (the logits). `truncate` as in `rerank`. The server refuses
+        no inputs, a text over the limit or a model without the task (InvalidArgument; `.field` texts,
+        texts[i], pairs[i], Classify); wrong Python types raise TypeError, a mix of texts and pairs
+        InvalidArgument (inputs[i]), before anything is sent."""
+        request = self._classify_request(inputs, raw_scores, truncate)
+        self._open()
+        try:
+            response = await self._stub.Classify(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return Classification.many_from_proto(response)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """The served model, its precision and device, and the per-call limits."""
@@ -492,11 +552,12 @@ class SyncEncoderClient(_Base):
                return_tokens: bool = False, long_inputs: LongInputs | None = None, stride: int = 0,
                dimensions: int = 0, quantization: Quantization = "none",
                quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None,
-               request_id: str = "", timeout: float | None = None) -> EncodeResult:
+               sparse: SparseOptions | bool = False, request_id: str = "",
+               timeout: float | None = None) -> EncodeResult:
         """See `EncoderClient.encode`."""
         options = _options(pooling, return_hidden, output_dtype, attention, layers, heads, attention_dtype, causal,
                            normalize, prompt_name, truncate, return_tokens, long_inputs, stride, dimensions,
-                           quantization, quantization_ranges)
+                           quantization, quantization_ranges, sparse)
         end = time.monotonic() + self._deadline(timeout)
         request = self._request(sequences, options, request_id)
         if self._pooling_unknown(options, request):
@@ -517,6 +578,26 @@ class SyncEncoderClient(_Base):
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         return Tokenized.many_from_proto(response)
+
+    def rerank(self, query: str, texts: Sequence[str], *, top_n: int | None = None, raw_scores: bool = False,
+               return_text: bool = False, truncate: bool = False, timeout: float | None = None) -> list[RankedText]:
+        """See `EncoderClient.rerank`."""
+        request = self._rerank_request(query, texts, top_n, raw_scores, return_text, truncate)
+        try:
+            response = self._stub.Rerank(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return RankedText.many_from_proto(response, return_text)
+
+    def classify(self, inputs: Sequence[ClassifyInput], *, raw_scores: bool = False, truncate: bool = False,
+                 timeout: float | None = None) -> list[Classification]:
+        """See `EncoderClient.classify`."""
+        request = self._classify_request(inputs, raw_scores, truncate)
+        try:
+            response = self._stub.Classify(request, timeout=self._deadline(timeout), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return Classification.many_from_proto(response)
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         """See `EncoderClient.model_info`."""

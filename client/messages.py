@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
@@ -51,6 +52,38 @@ def _choice(name: str, value: str, table: dict[str, E]) -> E:
 
 
 @dataclass(frozen=True)
+class SparseOptions:
+    """Which entries of each sequence's SPLADE sparse vector come back (`encode(..., sparse=...)`): those
+    above `threshold` (>= 0; 0: every non-zero one), the `top_k` largest of them when top_k > 0 (0: all).
+    Values out of range are refused by the server (InvalidArgument naming output.sparse.top_k or .threshold);
+    wrong types here, before anything is sent (TypeError)."""
+
+    top_k: int = 0
+    threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int | np.integer):
+            raise TypeError(f"sparse top_k must be an int; got {type(self.top_k).__name__}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, Real):
+            raise TypeError(f"sparse threshold must be a number; got {type(self.threshold).__name__}")
+
+    def to_proto(self) -> pb.SparseOptions:
+        return pb.SparseOptions(top_k=int(self.top_k), threshold=float(self.threshold))
+
+
+def sparse_options(sparse: SparseOptions | bool | None) -> SparseOptions | None:
+    """`encode`'s `sparse` argument: True is SparseOptions() (every non-zero entry), False/None none."""
+    if sparse is None or sparse is False:
+        return None
+    if sparse is True:
+        return SparseOptions()
+    if not isinstance(sparse, SparseOptions):
+        raise TypeError(f"sparse must be True, False or SparseOptions(top_k=..., threshold=...); got "
+                        f"{type(sparse).__name__}")
+    return sparse
+
+
+@dataclass(frozen=True)
 class EncodeOptions:
     """What to compute and return for every sequence of one call (see `EncoderClient.encode`).
     pooling None: the client's default (`EncoderClient.encode`: the model's own on a text model, else
@@ -73,6 +106,7 @@ class EncodeOptions:
     dimensions: int = 0  # keep the pooled vector's first n values (renormalised when normalised); 0 = all
     quantization: Quantization = "none"
     quantization_ranges: tuple[npt.ArrayLike, npt.ArrayLike] | None = None  # int8/uint8: (min, max); None: the model's
+    sparse: SparseOptions | bool | None = None  # a SPLADE sparse vector per sequence (models with the "sparse" task)
 
     def to_proto(self, text: bool = False) -> tuple[pb.OutputOptions, pb.AttentionOptions]:
         pooling = self.pooling if self.pooling is not None else "model" if text else "none"
@@ -86,6 +120,9 @@ class EncodeOptions:
             output.quantization_ranges.CopyFrom(pb.QuantizationRanges(min=low, max=high))
         if self.normalize is not None:
             output.normalize = self.normalize
+        sparse = sparse_options(self.sparse)
+        if sparse is not None:
+            output.sparse.CopyFrom(sparse.to_proto())
         # Naming layers is asking for attention.
         want = self.attention or self.layers is not None
         attention = pb.AttentionOptions(
@@ -184,6 +221,28 @@ class ResponseMetadata:
 
 
 @dataclass(frozen=True)
+class SparseVector:
+    """One sequence's SPLADE vector over the model's vocabulary: `indices` (token ids, ascending, int32)
+    and `values` (float32, max over its tokens of log(1 + relu(MLM logit))), of the same length."""
+
+    indices: npt.NDArray[np.int32]
+    values: npt.NDArray[np.float32]
+
+    def __len__(self) -> int:
+        return int(self.indices.size)
+
+    def dense(self, size: int) -> npt.NDArray[np.float32]:
+        """The vector as a dense [size] float32 array (size: the model's vocab_size)."""
+        out = np.zeros(size, np.float32)
+        out[self.indices] = self.values
+        return out
+
+    @classmethod
+    def from_proto(cls, m: pb.SparseVector) -> SparseVector:
+        return cls(np.array(m.indices, dtype=np.int32), np.array(m.values, dtype=np.float32))
+
+
+@dataclass(frozen=True)
 class EncodeResult:
     """One call's outputs, per sequence and in request order. A list is empty when that output was
     not asked for: `hidden` ([T, d_model] each) unless return_hidden=False, `pooled` ([d_model], or
@@ -201,6 +260,7 @@ class EncodeResult:
     windows: list[int] = field(default_factory=list)  # long_inputs="chunk": windows encoded; 0 = in one piece
     token_ids: list[npt.NDArray[np.int64]] = field(default_factory=list)  # text, with return_tokens
     tokens: list[list[str]] = field(default_factory=list)  # text, with return_tokens
+    sparse: list[SparseVector] = field(default_factory=list)  # with sparse=...
 
     def __len__(self) -> int:
         return len(self.nonfinite)
@@ -220,6 +280,7 @@ class EncodeResult:
             windows=[int(o.windows) for o in outs],
             token_ids=[np.array(from_tensor(o.token_ids), dtype=np.int64) for o in outs if o.HasField("token_ids")],
             tokens=[list(o.tokens) for o in outs if o.HasField("token_ids")],
+            sparse=[SparseVector.from_proto(o.sparse) for o in outs if o.HasField("sparse")],
         )
 
 
@@ -277,6 +338,8 @@ class ModelInfo:
     relative_bias: str = "none"  # none | shared | per_layer
     # The bundle's int8/uint8 calibration (min, max): d_model values each, or one pair; None: calls send their own.
     quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    tasks: tuple[str, ...] = ()  # what the model serves: embed, classify, rerank, sparse (docs/tasks.md)
+    labels: tuple[str, ...] = ()  # the classification head's labels, in id order (classify's scores)
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -290,7 +353,7 @@ class ModelInfo:
                    int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text,
                    float(m.attention_scale), bool(m.standard_scale), m.relative_bias or "none",
                    (tuple(m.quantization_ranges.min), tuple(m.quantization_ranges.max))
-                   if m.HasField("quantization_ranges") else None)
+                   if m.HasField("quantization_ranges") else None, tuple(m.tasks), tuple(m.labels))
 
 
 @dataclass(frozen=True)
@@ -308,3 +371,113 @@ class Tokenized:
     @classmethod
     def many_from_proto(cls, m: pb.TokenizeResponse) -> list[Tokenized]:
         return [cls(list(t.ids), list(t.tokens), bool(t.truncated)) for t in m.texts]
+
+
+# -- Classify and Rerank ----------------------------------------------------------------------------
+
+ClassifyInput = str | tuple[str, str]
+"""One input of `classify`: a text, or a (text, text) pair encoded as one sequence as the model's tokenizer
+pairs them."""
+
+
+def _is_pair(item: object) -> bool:
+    return isinstance(item, tuple | list) and len(item) == 2
+
+
+def _texts(name: str, texts: object) -> list[str]:
+    """A list of str, checked before anything is sent: a lone str (or anything not a sequence of str)
+    is a TypeError naming the argument."""
+    if isinstance(texts, str | bytes) or not isinstance(texts, Sequence | np.ndarray):
+        raise TypeError(f"{name} must be a list of str; got {type(texts).__name__}"
+                        + (" (one text: pass [text])" if isinstance(texts, str) else ""))
+    items = list(texts)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"{name}[{i}] must be a str; got {type(item).__name__}")
+    return items
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool; got {type(value).__name__}")
+    return bool(value)
+
+
+def build_classify_request(inputs: Sequence[ClassifyInput], raw_scores: bool, truncate: bool,
+                           request_id: str = "") -> pb.ClassifyRequest:
+    """texts (all str) or pairs (all (str, str)); a mix is InvalidArgument naming inputs[i]."""
+    if isinstance(inputs, str | bytes) or not isinstance(inputs, Sequence):
+        raise TypeError(f"inputs must be a list of texts or (text, text) pairs; got {type(inputs).__name__}"
+                        + (" (one text: pass [text])" if isinstance(inputs, str) else ""))
+    items = list(inputs)
+    request = pb.ClassifyRequest(request_id=request_id, raw_scores=_flag("raw_scores", raw_scores),
+                                 truncate=_flag("truncate", truncate))
+    pairs = bool(items) and _is_pair(items[0])
+    for i, item in enumerate(items):
+        if _is_pair(item) != pairs:
+            raise InvalidArgument("INVALID_ARGUMENT", f"inputs[{i}] is a {'text' if pairs else 'pair'} but inputs[0] "
+                                  f"is a {'pair' if pairs else 'text'}: one call classifies texts or pairs, not "
+                                  "both", field=f"inputs[{i}]")
+        if pairs:
+            first, second = item[0], item[1]  # a 2-item tuple or list (_is_pair)
+            if not (isinstance(first, str) and isinstance(second, str)):
+                raise TypeError(f"inputs[{i}] must be a (str, str) pair; got ({type(first).__name__}, "
+                                f"{type(second).__name__})")
+            request.pairs.append(pb.TextPair(first=first, second=second))
+        elif isinstance(item, str):
+            request.texts.append(item)
+        else:
+            raise TypeError(f"inputs[{i}] must be a str or a (str, str) pair; got {type(item).__name__}")
+    return request
+
+
+def build_rerank_request(query: str, texts: Sequence[str], top_n: int | None, raw_scores: bool, return_text: bool,
+                         truncate: bool, request_id: str = "") -> pb.RerankRequest:
+    if not isinstance(query, str):
+        raise TypeError(f"query must be a str; got {type(query).__name__}")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int | np.integer)):
+        raise TypeError(f"top_n must be an int or None; got {type(top_n).__name__}")
+    request = pb.RerankRequest(request_id=request_id, query=query, texts=_texts("texts", texts),
+                               raw_scores=_flag("raw_scores", raw_scores),
+                               return_text=_flag("return_text", return_text), truncate=_flag("truncate", truncate))
+    if top_n is not None:
+        request.top_n = int(top_n)
+    return request
+
+
+@dataclass(frozen=True)
+class Classification:
+    """One input's label scores (`attention.v1.Classification`): `scores` maps each label to its score, in the
+    model's label (id) order (`model_info().labels`); probabilities (softmax, or sigmoid for multi-label and
+    one-label heads) unless raw_scores, then the logits."""
+
+    scores: dict[str, float]
+    token_count: int  # of the text (pair), special tokens included
+    truncated: bool  # cut to the model's token limit (truncate=True)
+
+    @property
+    def label(self) -> str:
+        """The label with the highest score (the first of equals)."""
+        return max(self.scores, key=lambda k: self.scores[k])
+
+    @classmethod
+    def many_from_proto(cls, m: pb.ClassifyResponse) -> list[Classification]:
+        return [cls({s.label: float(s.score) for s in r.scores}, int(r.token_count), bool(r.truncated))
+                for r in m.results]
+
+
+@dataclass(frozen=True)
+class RankedText:
+    """One text of a rerank (`attention.v1.RankedText`): its `index` in the call's texts, its `score`
+    (sigmoid of the logit unless raw_scores), and the `text` itself with return_text, else None."""
+
+    index: int
+    score: float
+    text: str | None
+    token_count: int  # of the (query, text) pair, special tokens included
+    truncated: bool
+
+    @classmethod
+    def many_from_proto(cls, m: pb.RerankResponse, return_text: bool) -> list[RankedText]:
+        return [cls(int(r.index), float(r.score), r.text if return_text else None, int(r.token_count),
+                    bool(r.truncated)) for r in m.results]
