@@ -1,6 +1,7 @@
 """CUDA-only checks (marker `gpu`; every test here skips without CUDA). `make gpu-check` runs them.
 
-- fp16/bf16 against fp32 on CUDA, eager and through a loaded bundle, within the CPU bounds
+- fp16/bf16 against fp32 on CUDA, eager and through a loaded bundle, within the CPU bounds (the reference
+  model, BERT-style post-LN and pre-LN, a rotary + SwiGLU + RMSNorm encoder with local layers, and ALiBi)
   (model.bundle.RELATIVE_ERROR_BOUND: bf16 3%, fp16 0.5% relative max error); fp32 on CUDA equals CPU fp32.
 - The SDPA path against the explicit path that returns weights, per SDPA backend forced with
   torch.nn.attention.sdpa_kernel: memory-efficient and math must run our masked inputs; flash and cuDNN
@@ -56,7 +57,12 @@ OOM_CONFIG = EncoderConfig(d_model=256, n_heads=4, n_layers=1, d_ff=65536, vocab
     (tiny(), [48, 20, 5, 1]),
     (tiny(norm_first=True, activation="gelu", final_norm=True), [48, 20, 5, 1]),
     (REFERENCE, [256, 48, 17, 1]),
-], ids=["tiny-post-ln", "tiny-pre-ln-gelu", "reference"])
+    # Issue 30: a rotary + SwiGLU + RMSNorm encoder with ModernBERT's local layers, and ALiBi (jina-v2 style).
+    (tiny(n_layers=3, positional="rotary", rotary_base=500.0, norm="rms", norm_first=True, final_norm=True,
+          ffn_gated=True, activation="silu", linear_bias=False, layer_norm_eps=1e-6, local_radius=8,
+          global_every=3), [48, 20, 5, 1]),
+    (tiny(positional="alibi", ffn_gated=True, activation="gelu"), [48, 20, 5, 1]),
+], ids=["tiny-post-ln", "tiny-pre-ln-gelu", "reference", "rotary-swiglu-rms-local", "alibi-geglu"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_reduced_precision_within_the_cpu_bounds_on_cuda(dtype, config, lengths, causal):
     hidden_err, weight_err = max_errors(config, dtype, lengths, causal, device=CUDA)
