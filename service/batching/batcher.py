@@ -60,7 +60,17 @@ from typing import Any, Generic, TypeVar
 
 from service.batching.queue import BatchQueue
 from service.batching.threads import ModelThreads
-from service.batching.types import BatchLimits, BatchObserver, BatchRunner, Done, InFlight, Item, NullObserver, Request
+from service.batching.types import (
+    DEADLINE_SLACK_S,
+    BatchLimits,
+    BatchObserver,
+    BatchRunner,
+    Done,
+    InFlight,
+    Item,
+    NullObserver,
+    Request,
+)
 from service.errors import DeadlineExceeded, ModelFailure, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -136,7 +146,7 @@ class Batcher(Generic[P]):
                     self._queue.remove(item)
                     item.state = "cancelled"
                     # A caller whose deadline passed while queued leaves for that reason, not by choice.
-                    dropped["deadline" if item.deadline <= now else "cancelled"] += 1
+                    dropped["deadline" if item.deadline <= now + DEADLINE_SLACK_S else "cancelled"] += 1
             if any(dropped.values()):
                 self._observer.on_queue(self._queue.items, self._queue.tokens)
         for item in items:

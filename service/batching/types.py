@@ -44,6 +44,14 @@ class Done:
     padded_length: int
 
 
+# A cancellation that reaches the service this close to a call's deadline is that deadline passing, not the
+# caller leaving: the caller's clock started before ours (its deadline travels as a relative grpc-timeout,
+# written when the call's headers go out, so a busy caller or edge process shifts ours later by the delay),
+# and its own timer fires first and cancels. 1 ms was too tight on a busy machine: calls whose callers saw
+# DEADLINE_EXCEEDED were counted CANCELLED, their queued work dropped as "cancelled".
+DEADLINE_SLACK_S = 0.05
+
+
 @dataclass(eq=False)
 class Item(Generic[P]):
     request: Request[P]

@@ -27,6 +27,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from service.batching import Done, Item, Request
+from service.batching.types import DEADLINE_SLACK_S
 from service.config import ServiceConfig
 from service.errors import (
     DeadlineExceeded,
@@ -80,9 +81,10 @@ class Serving:
 
 
 def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
-    """Whether the caller's deadline has passed (the one deadline predicate of the service)."""
+    """Whether the caller's deadline has passed (the one deadline predicate of the service), within
+    DEADLINE_SLACK_S: a cancellation that close to it is the caller's own deadline timer."""
     remaining = context.time_remaining()
-    return remaining is not None and remaining <= 0.001
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
 
 
 def cancel_code(context: grpc.aio.ServicerContext) -> str:

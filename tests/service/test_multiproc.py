@@ -80,6 +80,9 @@ def alive(pid: int) -> bool:
     return True
 
 
+SCRAPE_POLL_S = 0.2  # tests/support/helpers.py wait_for: how often a predicate may scrape the service
+
+
 @pytest.fixture(scope="module")
 def edged(fault_bundle: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = ServerProcess(fault_bundle, *EDGE, "--max-queue-tokens", "150", "--max-batch-size", "16",
@@ -93,7 +96,8 @@ async def hold(stub: attention_pb2_grpc.AttentionServiceStub, server: ServerProc
     """A call that keeps the model busy `sleeps` x 200 ms; returns once its forward runs."""
     before = server.sample("attention_batch_size_count")
     call = stub.Encode(ids_request([faults.SLEEP] * sleeps), timeout=30)
-    await wait_for(lambda: server.sample("attention_batch_size_count") > before, 20, "the holding forward")
+    await wait_for(lambda: server.sample("attention_batch_size_count") > before, 20, "the holding forward",
+                   SCRAPE_POLL_S)
     return call
 
 
@@ -276,7 +280,7 @@ async def test_a_deadline_that_passes_in_the_queue_is_deadline_exceeded(edged: S
             await stub.Encode(ids_request([7, 8]), timeout=1.0)
         assert late.value.code() == Code.DEADLINE_EXCEEDED
         await wait_for(lambda: edged.sample("attention_dropped_total", {"reason": "deadline"}) == before + 1, 20,
-                       "the expired job dropped")
+                       "the expired job dropped", SCRAPE_POLL_S)
         assert (await held).outputs
 
 

@@ -95,13 +95,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    """Wait until `predicate()` holds, polling, at most `timeout` seconds (then fail naming `what`)."""
+async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition",
+                   poll: float = 0.01) -> None:
+    """Wait until `predicate()` holds, polling every `poll` seconds, at most `timeout` seconds (then fail
+    naming `what`). A predicate that scrapes a server's /metrics wants a slower poll: back-to-back scrapes
+    of a service with edge processes (prometheus_client's multiprocess files, summed per scrape) kept its
+    model process too busy to act on a cancellation for 20 s."""
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(poll)
 
 
 class FunctionRunner:
