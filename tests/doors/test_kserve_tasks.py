@@ -127,6 +127,10 @@ async def test_rerank_scores_by_row_equal_attention_v1_and_hf(start_server: Any,
                                              triton.InferRequestedOutput("logits")])
         np.testing.assert_allclose(result.as_numpy("scores"), logits.numpy(), rtol=0, atol=1e-5)
         np.testing.assert_array_equal(result.as_numpy("logits")[:, 0], result.as_numpy("scores"))
+        result = await client.infer("bert-reranker", [text_input(PASSAGES)], client_timeout=60,
+                                    parameters={"query": QUERY, "datatype": "FP16"})
+        assert result.as_numpy("scores").dtype == np.float16
+        np.testing.assert_allclose(result.as_numpy("scores"), want, rtol=0, atol=1e-3)
         # Attention of each pair beside the scores: [batch, layers, heads, T, T], T the longest pair.
         result = await client.infer("bert-reranker", [text_input(PASSAGES[:2])], client_timeout=60,
                                     parameters={"query": QUERY, "attention_layers": "-1"},
