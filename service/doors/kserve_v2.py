@@ -23,6 +23,9 @@ tables):
 - RepositoryIndex answers the one served model, READY or UNAVAILABLE (shutting down);
 - ModelStatistics is model-wide (both front doors), from the service's own counts (service/metrics.py
   `ModelCounts`); ServerReady/ModelReady from its readiness (service/doors/calls.py `Serving.ready`);
+- rerank is a `text` call with the string parameter `query`: output `scores` (FP32 [batch], one per row in
+  the rows' order, no sorting: sigmoid unless `raw_scores`, as attention.v1's Rerank) and/or `logits`
+  (the raw [batch, 1]); the plan's checks and errors as Rerank's, named as this door's fields;
 - ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
   "[StatusCode.X] message" and the stream goes on. Load/unload, shared-memory, trace and log RPCs
   are UNIMPLEMENTED.
@@ -63,9 +66,11 @@ from service.plan import (
     Sizes,
     attention_bytes,
     check_count,
+    check_task,
     plan_call,
     takes_text,
 )
+from service.tasks import rerank_scores
 from service.vectors import QUANTIZATIONS
 
 if TYPE_CHECKING:
@@ -80,6 +85,7 @@ PLATFORM = "pytorch_libtorch"  # Triton's name for a TorchScript model
 IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
 HIDDEN, POOLED, EMBEDDINGS, ATTENTION = "last_hidden_state", "pooled", "embeddings", "attention"
 SPARSE, LOGITS = "sparse", "logits"  # task heads (docs/tasks.md): SPLADE weights [vocab]; classifier logits [labels]
+SCORES = "scores"  # rerank (parameter `query`): one score per `text` row, [batch], in the rows' order
 DEFAULT_OUTPUTS = (HIDDEN, POOLED)
 _INT_TYPES: dict[str, np.dtype[Any]] = {"INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
 _FLOAT_TYPES = _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
@@ -90,7 +96,7 @@ _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
                          "chunk_stride", "dimensions", "quantization", "quantization_min",
-                         "quantization_max"}) | _IGNORED
+                         "quantization_max", "query", "raw_scores"}) | _IGNORED
 _QUANTIZED = {"int8": "INT8", "binary": "INT8", "uint8": "UINT8", "ubinary": "UINT8"}  # the pooled output's datatype
 
 
@@ -114,6 +120,13 @@ def model_inputs(text_model: bool) -> list[InputTensor]:
     ids = [InputTensor(name, "INT64", mc.TYPE_INT64, (-1,), optional=name != IDS or text_model)
            for name in (IDS, MASK, TYPES)]
     return ids + ([InputTensor(TEXT, "BYTES", mc.TYPE_STRING, (1,), optional=True)] if text_model else [])
+
+
+def _config_output(name: str, dims: list[int]) -> Any:
+    """A ModelConfig output; a [batch] one (`scores`) is dims [1] reshaped to [], as Triton writes it."""
+    if not dims:
+        return mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=[1], reshape=mc.ModelTensorReshape(shape=[]))
+    return mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims)
 
 
 class KServeServicer:
@@ -250,6 +263,8 @@ class KServeServicer:
             outputs.append((SPARSE, [spec.vocab_size]))
         if "classify" in spec.tasks:
             outputs.append((LOGITS, [len(spec.labels)]))
+        if "rerank" in spec.tasks:
+            outputs.append((SCORES, []))  # [batch]: one score a row
         if self._config.allow_attention:
             outputs.append((ATTENTION, [-1, -1, -1, -1]))  # layers asked, heads (or 1), T, T
         return outputs
@@ -276,7 +291,7 @@ class KServeServicer:
                 "tokenizer_checksum": t.tokenizer_sha256})
         config = mc.ModelConfig(
             name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=inputs,
-            output=[mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims) for name, dims in self._outputs(spec)],
+            output=[_config_output(name, dims) for name, dims in self._outputs(spec)],
             dynamic_batching=mc.ModelDynamicBatching(
                 max_queue_delay_microseconds=int(c.max_wait_ms * 1e3),
                 default_queue_policy=mc.ModelQueuePolicy(
@@ -317,9 +332,13 @@ class KServeServicer:
         outputs = _requested(request, self._config.allow_attention, spec)
         inputs, texts = _inputs(request, spec, self._config)
         ask = _ask(request, params, outputs, spec)
+        if ask.task == "rerank":
+            check_task("rerank", spec, "parameters.query")  # the model's lack named before the inputs' kind
+        if ask.task == "rerank" and texts is None:
+            raise InvalidInput(TEXT, "required with parameters.query: the texts to rerank, one a row (BYTES)")
         if texts is not None:
             ask = dataclasses.replace(ask, inputs=texts)
-            names, padded_to = TEXT_NAMES, 0  # padded to the longest tokenized text
+            names, padded_to = RERANK_NAMES if ask.task == "rerank" else TEXT_NAMES, 0  # padded to the longest text
         else:
             ids = inputs.get(IDS)
             if ids is None:
@@ -344,7 +363,7 @@ class KServeServicer:
         for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
             arrays = [a for r in results if (a := _array_of(r, name)) is not None]
             check_arrays(name, arrays, _FLOAT_TYPES.get(datatype, "float32"))
-        response = _response(request, spec, done, results, outputs, T)
+        response = _response(request, spec, done, results, outputs, T, raw_scores=params.get("raw_scores") is True)
         if any(plan.cut(i) for i in range(len(results))):
             response.parameters["truncated"].bool_param = True
         if plan.chunks:
@@ -364,6 +383,8 @@ IDS_NAMES = Names(
     quantization="parameters.quantization", ranges="parameters.quantization_min",
     ranges_min="parameters.quantization_min", ranges_max="parameters.quantization_max", task=LOGITS, sparse=SPARSE)
 TEXT_NAMES = dataclasses.replace(IDS_NAMES, sequences=TEXT)
+RERANK_NAMES = dataclasses.replace(  # a rerank's pair (query, text[i]) is named as its row, text[i]
+    TEXT_NAMES, task="parameters.query", query="parameters.query", kinds=(*TEXT_NAMES.kinds, ("pair", TEXT)))
 
 
 def _truncating(ask: Ask) -> bool:
@@ -376,7 +397,8 @@ def _sizes(plan: Plan, spec: ModelSpec, padded_to: int) -> Sizes:
     hidden = sum(padded_to for job in plan.sequences if job.return_hidden) * spec.d_model * per_value
     pooled = sum(1 for job in plan.sequences if job.pooling) * math.prod(plan.pooled_size(spec.d_model))
     attention = attention_bytes(plan, spec, padded_to)
-    heads = sum(spec.vocab_size if job.head == "sparse" else len(spec.labels) for job in plan.sequences if job.head)
+    heads = sum(spec.vocab_size if job.head == "sparse" else len(spec.labels) + (job.head == "rerank")
+                for job in plan.sequences if job.head)  # a rerank row: its logits and its score
     heads *= 4 if plan.task != "embed" else per_value
     return Sizes(attention, hidden + pooled + heads + attention + 1024 + len(plan.request_id))  # + names, shapes
 
@@ -489,10 +511,17 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
     truncate = params.get("truncate", False)
     if not isinstance(truncate, bool):
         raise InvalidInput("parameters.truncate", f"must be a bool; got {shown(truncate)}")
-    if LOGITS in outputs:  # the classification head: its own call (texts in, logits out; attention beside)
-        if set(outputs) - {LOGITS, ATTENTION}:
+    query = _rerank_query(params, outputs)
+    if query is not None or LOGITS in outputs:  # a head's own call (texts in; attention may be asked beside)
+        if query is None and set(outputs) - {LOGITS, ATTENTION}:
             raise InvalidInput("outputs", f"{LOGITS} comes alone (attention may be asked beside it)")
-        return Ask(inputs=(), request_id=request.id, return_hidden=False, task="classify", truncate=truncate,
+        task = "classify" if query is None else "rerank"
+        for name in ("prompt_name", "dimensions", "quantization", "quantization_min", "quantization_max"):
+            if name in params:
+                raise InvalidInput(f"parameters.{name}", f"applies to embeddings, not to {task}")
+        return Ask(inputs=(), request_id=request.id, return_hidden=False, task=task, query=query, truncate=truncate,
+                   long_inputs=_str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None,
+                   chunk_stride=_int_param(params, "chunk_stride", 0),
                    attention=_layers(params) if wants_attention else None,
                    heads=_str_param(params, "attention_heads", HEADS, "all"),
                    attention_dtype=_DTYPE[outputs.get(ATTENTION, "FP32")])
@@ -509,14 +538,38 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
     )
 
 
+def _rerank_query(params: dict[str, Any], outputs: dict[str, str]) -> str | None:
+    """The parameter `query` (a rerank: its outputs `scores` and `logits`, attention beside), checked with the
+    outputs asked; None: not a rerank (then `scores` and `raw_scores` are refused)."""
+    query = params.get("query")
+    if query is not None and not isinstance(query, str):
+        raise InvalidInput("parameters.query", f"must be a string; got {shown(query)}")
+    raw = params.get("raw_scores")
+    if "raw_scores" in params and not isinstance(raw, bool):
+        raise InvalidInput("parameters.raw_scores", f"must be a bool; got {shown(raw)}")
+    if "raw_scores" in params and SCORES not in outputs:
+        raise InvalidInput("parameters.raw_scores", f"given, but the {SCORES} output is not requested")
+    if query is None:
+        if SCORES in outputs:
+            raise InvalidInput("parameters.query", f"required with the {SCORES} output: the query each text row "
+                               "is scored against (a rerank)")
+        return None
+    for i, name in enumerate(outputs):
+        if name not in (SCORES, LOGITS, ATTENTION):
+            raise InvalidInput(f"outputs[{i}]", f"{shown(name)} is not a rerank output (parameters.query is given): "
+                               f"ask {SCORES} or {LOGITS} (attention may be asked beside)")
+    return query
+
+
 def _requested(request: Any, allow_attention: bool, spec: ModelSpec) -> dict[str, str]:
     """Requested output name -> datatype, in the order asked (`embeddings` is `pooled` by another name;
-    `sparse` and `logits` only for a model with that head)."""
+    `sparse`, `logits` and `scores` only for a model with that head). None asked: `scores` for a rerank
+    (parameter `query`), else last_hidden_state and pooled."""
     default = _float_param(request.parameters, "datatype", "parameters.datatype")
     if not request.outputs:
-        return dict.fromkeys(DEFAULT_OUTPUTS, default)
+        return dict.fromkeys((SCORES,) if "query" in request.parameters else DEFAULT_OUTPUTS, default)
     known = (HIDDEN, POOLED, EMBEDDINGS, ATTENTION) + ((SPARSE,) if "sparse" in spec.tasks else ()) + (
-        (LOGITS,) if "classify" in spec.tasks else ())
+        (LOGITS,) if "classify" in spec.tasks else ()) + ((SCORES,) if "rerank" in spec.tasks else ())
     outputs: dict[str, str] = {}
     for i, output in enumerate(request.outputs):
         if output.name not in known:
@@ -676,13 +729,13 @@ def _lengths(inputs: dict[str, np.ndarray], batch: int, T: int) -> list[int]:
 
 
 def _array_of(output: Output, name: str) -> np.ndarray | None:
-    if name in (SPARSE, LOGITS):
+    if name in (SPARSE, LOGITS, SCORES):  # scores: checked as the logits they come from
         return output.scores
     return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
 
 
 def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequence[Output],
-              outputs: dict[str, str], T: int) -> Any:
+              outputs: dict[str, str], T: int, raw_scores: bool = False) -> Any:
     """`done`: every job's (windows each); `results`: one output per row (chunked rows stitched)."""
     widest = max(done, key=lambda d: d.batch_size)
     response = v2.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
@@ -711,6 +764,10 @@ def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequ
             scores = [r.scores for r in results if r.scores is not None]
             assert len(scores) == batch, "a head's output asked for, not all returned. This is a bug."
             array = np.stack(scores)  # (B, vocab) SPLADE weights, or (B, labels) logits
+        elif name == SCORES:
+            logits = [r.scores for r in results if r.scores is not None]
+            assert len(logits) == batch, "rerank logits asked for, not all returned. This is a bug."
+            array = np.asarray(rerank_scores(logits, raw_scores), np.float32)  # (B,), in the rows' order
         else:
             attention = [r.attention for r in results if r.attention is not None]
             assert len(attention) == batch, "attention asked for, not all returned. This is a bug."
