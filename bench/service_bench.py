@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--bf16", action="store_true", help="also run the server and the ceiling in bf16")
-    parser.add_argument("--quick", action="store_true", help="3 s runs, concurrency 1 and 64, one round, no batching-off arm")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 s runs, concurrency 1 and 64, one round, no batching-off arm")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads for the ceiling and the server (0 = the server's default)")
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "workers": workers,
-            "calls": "EncodeStream" if args.stream else "unary Encode", "command": " ".join(sys.argv),
+            "calls": "EncodeStream" if args.stream else "unary Encode",
+            "command": " ".join(["python -m bench.service_bench", *(argv if argv is not None else sys.argv[1:])]),
             "load_start": load_start, "load_end": _load_average()}
     payload = {"meta": meta, "ceilings": [vars(c) for c in searched], "runs": results}
     (args.out / "service_bench.json").write_text(json.dumps(payload, indent=1))
