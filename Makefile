@@ -61,7 +61,7 @@ check: test
 bench-model: $(STAMP)  ## the model's in-process ceiling (bench/RESULTS.md)
 	$(BIN)/python -m bench.model_bench
 
-bench: $(STAMP)  ## the service against its ceiling, ids and then text on all-MiniLM-L6-v2 (bench/RESULTS.md)
+bench: $(STAMP)  ## the service against its ceiling and the naive unbatched server, c1/16/64, ids; then text on MiniLM (bench/RESULTS.md)
 	$(BIN)/python -m bench.service_bench
 	$(BIN)/python -m bench.text_bench
 

@@ -8,10 +8,16 @@
 2. The service: `python -m service` in a subprocess on 127.0.0.1, under closed-loop load from this
    process (client/load.py: grpc.aio callers, one call in flight each, requests serialized up front),
    at several concurrencies, fixed and mixed lengths, batching on and off, fp32 (and bf16 with --bf16).
-3. A table with the ratios the performance issue sets as targets, JSON, and two plots.
+3. The naive unbatched server (bench/naive_server.py: grpc.aio, one forward per call on one worker
+   thread, the same bundle, precision and threads) beside each batching-on arm, under the same load
+   at the same concurrencies, lengths and rounds, run in turn with the service (who goes first
+   alternates by round; each run bracketed by the bar), so that drift falls on both (`--no-naive`
+   leaves it out).
+4. A table with the ratios the performance issues set as targets (service / ceiling and service /
+   naive), JSON, and two plots.
 
-Bounded: every load run has a fixed duration; the whole default run takes about 10 minutes on 2 cores
-(`--quick`: about 1.5 minutes).
+Bounded: every load run has a fixed duration; the whole default run takes about 13 minutes on 2 cores
+(`--quick`: about 2 minutes).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.naive_server import NaiveProcess
 from client.load import BenchReport, run_load
 from model.bundle import load_bundle
 from model.default import ensure_default_bundle
@@ -173,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--bf16", action="store_true", help="also run the server and the ceiling in bf16")
-    parser.add_argument("--quick", action="store_true", help="3 s runs, concurrency 1 and 64, no batching-off arm")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 s runs, concurrency 1 and 64, one round, no batching-off arm")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads for the ceiling and the server (0 = the server's default)")
@@ -182,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0,
                         help="the server's model workers, also tried by the ceiling (0 = the server's default)")
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for the server (repeat)")
+    parser.add_argument("--naive", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the naive unbatched server (bench/naive_server.py) beside the service, in turn")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of each target row (batching on, lowest and highest concurrency); medians count")
     args = parser.parse_args(argv)
+    load_start = _load_average()  # this machine is shared: say how busy it was
     if args.quick:
         args.duration, args.warmup, args.concurrency, args.rounds = 3.0, 1.0, [1, 64], 1
     args.out.mkdir(parents=True, exist_ok=True)
@@ -214,35 +225,43 @@ def main(argv: list[str] | None = None) -> int:
         flags = ["--precision", precision, "--max-batch-size", str(max_batch_size if batching else 1),
                  "--torch-threads", str(threads), "--model-workers", str(workers), *args.server_flag]
         server = ServerProcess(bundle, *flags, "--log-level", "warning")
+        naive = None
         try:
+            if batching and args.naive:  # the same model, precision and threads, one forward per call
+                naive = NaiveProcess(bundle, "--precision", precision, "--torch-threads", str(threads))
             for lengths in (FIXED, MIXED):
                 for concurrency in args.concurrency:
                     if not batching and concurrency == 1:
                         continue  # the same as batching on at concurrency 1
                     target = batching and concurrency in (min(args.concurrency), max(args.concurrency))
                     for round_ in range(args.rounds if target else 1):
-                        before = roof.measure(lengths, concurrency)
-                        report = run_one(server.target, concurrency, lengths, args.duration, args.warmup,
-                                         args.stream)
-                        after = roof.measure(lengths, concurrency)
-                        bar = (before + after) / 2
-                        best = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
-                        best1 = ceiling.batch1_ms_fixed if lengths == FIXED else ceiling.batch1_ms_mixed
-                        roof_seq_s = best if concurrency == 1 else bar
-                        row = {"precision": precision, "batching": batching, "lengths": list(lengths),
-                               "round": round_, "bar": [before, after], "ceiling_seq_s": roof_seq_s,
-                               "ratio": report.sequences_per_s / roof_seq_s,
-                               "batch1_ms": bar if concurrency == 1 else best1, **report.to_dict(samples=True)}
-                        results.append(row)
-                        print(_line(row), flush=True)
+                        # The service and the naive server in turn, the first of them alternating by round,
+                        # each run bracketed by the bar: drift between minutes falls on both alike.
+                        order = [("service", server.target, args.stream)]
+                        if naive is not None:
+                            order.append(("naive", naive.target, False))  # it has no EncodeStream
+                        if round_ % 2:
+                            order.reverse()
+                        bars = [roof.measure(lengths, concurrency)]
+                        for arm, address, stream in order:
+                            report = run_one(address, concurrency, lengths, args.duration, args.warmup, stream)
+                            bars.append(roof.measure(lengths, concurrency))
+                            row = _row(arm, precision, batching and arm == "service", lengths, round_, bars[-2:],
+                                       ceiling, report)
+                            results.append(row)
+                            print(_line(row), flush=True)
         finally:
+            if naive is not None:
+                naive.stop()
             server.stop()
     for roof in roofs.values():
         roof.close()
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "workers": workers,
-            "calls": "EncodeStream" if args.stream else "unary Encode", "command": " ".join(sys.argv)}
+            "calls": "EncodeStream" if args.stream else "unary Encode",
+            "command": " ".join(["python -m bench.service_bench", *(argv if argv is not None else sys.argv[1:])]),
+            "load_start": load_start, "load_end": _load_average()}
     payload = {"meta": meta, "ceilings": [vars(c) for c in searched], "runs": results}
     (args.out / "service_bench.json").write_text(json.dumps(payload, indent=1))
     table = markdown(meta, searched, results)
@@ -252,12 +271,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _row(arm: str, precision: str, batching: bool, lengths: tuple[int, int], round_: int, bar: list[float],
+         ceiling: Ceiling, report: BenchReport) -> dict[str, Any]:
+    """One load run: its bar is the mean of the in-process measurements right before and after it (at
+    concurrency 1, its throughput is set against the search's best batch; the bar is batch-1 ms)."""
+    concurrency, mean = report.concurrency, (bar[0] + bar[1]) / 2
+    best = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
+    best1 = ceiling.batch1_ms_fixed if lengths == FIXED else ceiling.batch1_ms_mixed
+    roof_seq_s = best if concurrency == 1 else mean
+    return {"arm": arm, "precision": precision, "batching": batching, "lengths": list(lengths), "round": round_,
+            "bar": list(bar), "ceiling_seq_s": roof_seq_s, "ratio": report.sequences_per_s / roof_seq_s,
+            "batch1_ms": mean if concurrency == 1 else best1, **report.to_dict(samples=True)}
+
+
 def _line(row: dict[str, Any]) -> str:
     lat, srv = row["latency_ms"], row["server"]
-    return (f"  {row['precision']} batching={'on' if row['batching'] else 'off'} lengths={row['lengths']} "
+    return (f"  {row['arm']} {row['precision']} batching={'on' if row['batching'] else 'off'} lengths={row['lengths']} "
             f"c={row['concurrency']}: {row['sequences_per_s']:.1f} seq/s ({row['ratio']:.2f} of ceiling), "
             f"p50 {lat['p50']:.1f} p99 {lat['p99']:.1f} ms, batch {srv['batch_size']:.1f}, "
             f"padding {srv['padding_ratio']:.2f}, errors {row['errors'] or 0}")
+
+
+def _load_average() -> tuple[float, float, float] | None:
+    return os.getloadavg() if hasattr(os, "getloadavg") else None
 
 
 def _machine() -> str:
@@ -273,8 +309,11 @@ def _machine() -> str:
 
 
 def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[str, Any]]) -> str:
+    said = ", ".join(f"{when} {' '.join(f'{x:.2f}' for x in meta[f'load_{when}'])}" for when in ("start", "end")
+                     if meta.get(f"load_{when}") is not None)
     lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads, "
-             f"{meta['workers']} model workers; load over {meta['calls']}; `{meta['command']}`", "",
+             f"{meta['workers']} model workers; load over {meta['calls']} (the naive server: unary Encode); "
+             f"load average {said or 'unknown'}; `{meta['command']}`", "",
              "The ceiling search (in process, once per precision, at the start):", "",
              "| precision | fixed 128 seq/s (best batch, workers) | mixed 16..256 seq/s (best budget, workers) "
              "| batch-1 ms fixed / mixed |",
@@ -283,20 +322,20 @@ def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[s
         lines.append(f"| {c.precision} | {c.fixed_seq_s:.1f} ({c.fixed_best_batch}, {c.fixed_best_workers}) | "
                      f"{c.mixed_seq_s:.1f} ({c.mixed_best_budget}, {c.mixed_best_workers}) | "
                      f"{c.batch1_ms_fixed:.2f} / {c.batch1_ms_mixed:.2f} |")
+    lines += _against(results)
     lines += ["", "Every run below has its bar measured in process right before and right after it (seq/s; "
               "batch-1 ms at concurrency 1); `of ceiling` is against their mean (at concurrency 1, against the "
-              "search's best).", "",
-              "| precision | batching | lengths | conc. | seq/s | tokens/s | bar before / after | of ceiling "
+              "search's best). `naive` is bench/naive_server.py, run in turn with the service.", "",
+              "| server | precision | batching | lengths | conc. | seq/s | tokens/s | bar before / after | of ceiling "
               "| p50 ms | p90 ms | p99 ms | p99/p50 | queue ms | compute ms | batch | padding | errors "
               "| loadgen CPU s/s |",
-              "|" + "---|" * 18]
+              "|" + "---|" * 19]
     for r in results:
         lat, srv = r["latency_ms"], r["server"]
-        low, high = r["lengths"]
-        span = f"{low}..{high}" if low != high else str(low)
         unit = " ms" if r["concurrency"] == 1 else ""
         lines.append(
-            f"| {r['precision']} | {'on' if r['batching'] else 'off'} | {span} | {r['concurrency']} | "
+            f"| {r.get('arm', 'service')} | {r['precision']} | {'on' if r['batching'] else 'off'} | "
+            f"{_span(r['lengths'])} | {r['concurrency']} | "
             f"{r['sequences_per_s']:.1f} | {r['tokens_per_s']:.0f} | {r['bar'][0]:.1f} / {r['bar'][1]:.1f}{unit} | "
             f"{r['ratio']:.2f} | {lat['p50']:.1f} | {lat['p90']:.1f} | {lat['p99']:.1f} | "
             f"{lat['p99'] / lat['p50']:.2f} | "
@@ -321,14 +360,62 @@ def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[s
     return "\n".join(lines) + "\n"
 
 
+def _span(lengths: list[int]) -> str:
+    low, high = lengths
+    return f"{low}..{high}" if low != high else str(low)
+
+
+def _against(results: list[dict[str, Any]]) -> list[str]:
+    """The summary: the service (batching on) against its in-process ceiling and against the naive server,
+    per precision, lengths and concurrency; medians over the rounds of ratios taken within each round."""
+    pairs: dict[tuple[str, tuple[int, int], int], list[tuple[dict[str, Any], dict[str, Any] | None]]] = {}
+    naive = {(r["precision"], tuple(r["lengths"]), r["concurrency"], r["round"]): r
+             for r in results if r.get("arm") == "naive"}
+    for r in results:
+        if r.get("arm", "service") == "service" and r["batching"]:
+            key = (r["precision"], tuple(r["lengths"]), r["concurrency"])
+            pairs.setdefault(key, []).append((r, naive.get((*key, r["round"]))))
+    if not pairs:
+        return []
+    lines = ["", "The service against its in-process ceiling and against the naive unbatched server "
+             "(bench/naive_server.py), each run in turn with the other in the same round: seq/s at concurrency "
+             "above 1, p50 ms at 1 (the ceiling there is the in-process batch-1 forward; `service / ceiling` is "
+             "seq/s over seq/s, or p50 over batch-1 ms, so above 1 is better above concurrency 1 and below 1 "
+             "is better at 1, likewise `service / naive`). Medians over the rounds; each ratio taken within "
+             "its round:", "",
+             "| precision | lengths | conc. | service | naive | ceiling | service / ceiling | service / naive |",
+             "|---|---|---|---|---|---|---|---|"]
+    def value(r: dict[str, Any]) -> float:
+        return float(r["latency_ms"]["p50"] if r["concurrency"] == 1 else r["sequences_per_s"])
+
+    def roof(r: dict[str, Any]) -> float:
+        return float(r["batch1_ms"] if r["concurrency"] == 1 else r["ceiling_seq_s"])
+
+    for (precision, lengths, concurrency), rows in pairs.items():
+        service = [value(s) for s, _ in rows]
+        ceiling = [roof(s) for s, _ in rows]
+        of_ceiling = [value(s) / roof(s) for s, _ in rows]
+        matched = [(s, n) for s, n in rows if n is not None]
+        unit = " ms" if concurrency == 1 else ""
+        if matched:
+            naive_cell = _median_of([value(n) for _, n in matched], ".1f") + unit
+            of_naive = _median_of([value(s) / value(n) for s, n in matched], ".2f")
+        else:
+            naive_cell = of_naive = "-"
+        lines.append(f"| {precision} | {_span(list(lengths))} | {concurrency} | {_median_of(service, '.1f')}{unit} | "
+                     f"{naive_cell} | {_median_of(ceiling, '.1f')}{unit} | {_median_of(of_ceiling, '.2f')} | "
+                     f"{of_naive} |")
+    return lines
+
+
 def _target_rows(results: list[dict[str, Any]]) -> dict[tuple[str, tuple[int, int], int], list[dict[str, Any]]]:
-    """Rows of the target runs (batching on; the lowest and highest concurrency), grouped by arm."""
+    """Rows of the service's target runs (batching on; the lowest and highest concurrency), grouped by arm."""
     if not results:
         return {}
     low, high = min(r["concurrency"] for r in results), max(r["concurrency"] for r in results)
     groups: dict[tuple[str, tuple[int, int], int], list[dict[str, Any]]] = {}
     for r in results:
-        if r["batching"] and r["concurrency"] in (low, high):
+        if r.get("arm", "service") == "service" and r["batching"] and r["concurrency"] in (low, high):
             groups.setdefault((r["precision"], tuple(r["lengths"]), r["concurrency"]), []).append(r)
     return groups
 
@@ -346,15 +433,15 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    arms = sorted({(r["precision"], r["batching"], tuple(r["lengths"])) for r in results})
-    for precision, batching, lengths in arms:
-        rows = [r for r in results
-                if (r["precision"], r["batching"], tuple(r["lengths"])) == (precision, batching, lengths)]
+    arms = sorted({_arm(r) for r in results})
+    for arm in arms:
+        server, precision, batching, lengths = arm
+        rows = [r for r in results if _arm(r) == arm]
         levels = sorted({r["concurrency"] for r in rows})
-        label = f"{precision} {'batching' if batching else 'no batching'} {lengths[0]}..{lengths[1]}"
+        label = f"{_label(server, precision, batching)} {lengths[0]}..{lengths[1]}"
         ax.plot(levels, [np.median([r["sequences_per_s"] for r in rows if r["concurrency"] == c]) for c in levels],
                 marker="o", label=label)
-        if batching:
+        if batching and server == "service":
             bars = [r["ceiling_seq_s"] for r in rows if r["concurrency"] > 1]
             ax.axhline(float(np.median(bars or [rows[0]["ceiling_seq_s"]])), linestyle=":", linewidth=1,
                        color=ax.lines[-1].get_color())
@@ -371,13 +458,23 @@ def plot(results: list[dict[str, Any]], out: Path) -> None:
             continue
         samples = np.sort(np.asarray(r["samples_ms"]))
         ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples),
-                label=f"{r['precision']} {'batching' if r['batching'] else 'no batching'} "
+                label=f"{_label(r.get('arm', 'service'), r['precision'], r['batching'])} "
                       f"{r['lengths'][0]}..{r['lengths'][1]}")
     ax.set(xscale="log", xlabel="latency (ms)", ylabel="fraction of calls", title="Latency CDF at the top concurrency")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "latency_cdf.png", dpi=120)
     plt.close(fig)
+
+
+def _arm(r: dict[str, Any]) -> tuple[str, str, bool, tuple[int, int]]:
+    return r.get("arm", "service"), r["precision"], r["batching"], tuple(r["lengths"])
+
+
+def _label(server: str, precision: str, batching: bool) -> str:
+    if server != "service":
+        return f"{server} {precision}"
+    return f"{precision} {'batching' if batching else 'no batching'}"
 
 
 if __name__ == "__main__":

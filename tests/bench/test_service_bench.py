@@ -1,13 +1,15 @@
-"""bench/service_bench.py: the concurrency-1 bar is measured over the load's lengths without bias."""
+"""bench/service_bench.py: the concurrency-1 bar is measured over the load's lengths without bias; the table sets
+the service against its ceiling and against the naive server of the same round."""
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.service_bench import FIXED, MIXED, InProcess, strata
+from bench.service_bench import FIXED, MIXED, InProcess, markdown, strata
 from model.default import ensure_default_bundle
 
 
@@ -57,3 +59,42 @@ def test_the_concurrency_1_bar_times_single_forwards_at_the_strata_of_the_length
     assert fixed_batches == [[FIXED[0]]] * (1 + 3 * 8)  # a warm-up, then 3 rounds of 8
     want = strata(ceiling._mixed, 16)
     assert batches == [[want[8]]] + [[n] for n in want] * 3
+
+
+def _run(arm: str, concurrency: int, round_: int, seq_s: float, p50: float, bar: float) -> dict[str, Any]:
+    """A row as service_bench.main records it, with the numbers the summary reads."""
+    return {"arm": arm, "precision": "fp32", "batching": arm == "service", "lengths": list(FIXED), "round": round_,
+            "concurrency": concurrency, "bar": [bar, bar], "ceiling_seq_s": bar, "ratio": seq_s / bar,
+            "batch1_ms": bar, "sequences_per_s": seq_s, "tokens_per_s": 128 * seq_s, "errors": {},
+            "client_cpu": 0.5, "latency_ms": {"p50": p50, "p90": p50, "p99": 2 * p50},
+            "server": {"queue_ms": 0.0, "compute_ms": 1.0, "batch_size": 1.0, "padding_ratio": 1.0}}
+
+
+def test_the_table_sets_the_service_against_the_naive_server_of_the_same_round() -> None:
+    # c64: service / naive per round 1.25, 1.50, 1.20 (median 1.25; each service run set against the next
+    # round's naive run, it would be 1.50). Service / ceiling 0.80, 0.90, 0.80. c1: p50 8 ms against 10 ms and
+    # a 5 ms forward.
+    results = []
+    for round_, (service, naive, bar) in enumerate([(100, 80, 125), (90, 60, 100), (120, 100, 150)]):
+        results += [_run("service", 64, round_, service, 50, bar), _run("naive", 64, round_, naive, 60, bar)]
+    results += [_run("naive", 1, 0, 100, 10.0, 5.0), _run("service", 1, 0, 125, 8.0, 5.0)]
+    meta = {"date": "d", "machine": "m", "torch": "t", "threads": 2, "workers": 2, "calls": "unary Encode",
+            "command": "c", "load_start": (1.0, 2.0, 3.0), "load_end": None}
+    table = markdown(meta, [], results)
+    rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| fp32 | 128 | ")}
+    assert rows["64"] == ("| fp32 | 128 | 64 | 100.0 (100.0, 90.0, 120.0) | 80.0 (80.0, 60.0, 100.0) | "
+                          "125.0 (125.0, 100.0, 150.0) | 0.80 (0.80, 0.90, 0.80) | 1.25 (1.25, 1.50, 1.20) |")
+    assert rows["1"] == "| fp32 | 128 | 1 | 8.0 ms | 10.0 ms | 5.0 ms | 1.60 | 0.80 |"
+    assert "load average start 1.00 2.00 3.00;" in table
+    assert sum(line.startswith("| naive | fp32 | off | 128 |") for line in table.splitlines()) == 4
+    targets = table.split("Targets (issue 6)")[1]
+    assert "fp32 fixed c64: throughput 0.80 (0.80, 0.90, 0.80) of the ceiling" in targets  # the service's only
+    assert "p50 minus in-process batch-1 latency +3.00 ms" in targets
+
+
+def test_without_the_naive_server_its_column_is_empty() -> None:
+    meta = {"date": "d", "machine": "m", "torch": "t", "threads": 2, "workers": 2, "calls": "unary Encode",
+            "command": "c"}
+    table = markdown(meta, [], [_run("service", 16, 0, 100, 50, 125)])
+    assert "| fp32 | 128 | 16 | 100.0 | - | 125.0 | 0.80 | - |" in table
+    assert "load average unknown" in table
