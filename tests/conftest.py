@@ -80,4 +80,30 @@ async def served(start_server: Callable[..., Any]) -> Running:
 
 
 # Hugging Face models (text in): session fixtures, so the real model is converted once per run.
+
+
+@pytest.fixture(scope="session")
+def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """(bundle, HF folder, HF model): a tiny BertForSequenceClassification, 3 labels (tests/support/head_helpers.py)."""
+    from tests.support.head_helpers import head_bundle
+
+    return head_bundle(tmp_path_factory, "bert-classifier")
+
+
+@pytest.fixture(scope="session")
+def bert_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """The same with one label (a cross-encoder: rerank), pairs with token types."""
+    from tests.support.head_helpers import head_bundle
+
+    return head_bundle(tmp_path_factory, "bert-reranker")
+
+
+@pytest.fixture(scope="session")
+def xlmr_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """A tiny XLMRobertaForSequenceClassification with one label."""
+    from tests.support.head_helpers import head_bundle
+
+    return head_bundle(tmp_path_factory, "xlmr-reranker")
+
+
 from tests.support.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401

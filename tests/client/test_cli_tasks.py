@@ -14,20 +14,20 @@ import pytest
 
 from client import EncoderClient
 from client.cli import main
-from tests.support.head_helpers import BERT_LABELS, head_bundle, sparse_bundle
+from tests.support.head_helpers import BERT_LABELS, sparse_bundle
 
 QUERY = "the cat"
 PASSAGES = ["a cat .", "the the the c", "b", "cats a cats"]
 
 
-@pytest.fixture(scope="module")
-def classifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return head_bundle(tmp_path_factory, "bert-classifier")[0]
+@pytest.fixture
+def classifier(bert_classifier: tuple[Path, Path, Any]) -> Path:
+    return bert_classifier[0]  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return head_bundle(tmp_path_factory, "bert-reranker")[0]
+@pytest.fixture
+def reranker(bert_reranker: tuple[Path, Path, Any]) -> Path:
+    return bert_reranker[0]  # tests/conftest.py
 
 
 async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -27,21 +27,21 @@ from client import (
     Unavailable,
 )
 from proto.attention.v1 import attention_pb2 as pb
-from tests.support.head_helpers import BERT_LABELS, head_bundle, hf_logits, hf_splade, hf_tokenizer, sparse_bundle
+from tests.support.head_helpers import BERT_LABELS, hf_logits, hf_splade, hf_tokenizer, sparse_bundle
 
 QUERY = "the cat"
 PASSAGES = ["a cat .", "the the the c", "b", "cats a cats", "c c c", "the cat"]
 TEXTS = ["the cat", "a b c the cat .", "cats"]
 
 
-@pytest.fixture(scope="module")
-def reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-reranker")
+@pytest.fixture
+def reranker(bert_reranker: tuple[Path, Path, Any]) -> tuple[Path, Path, Any]:
+    return bert_reranker  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def classifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-classifier")
+@pytest.fixture
+def classifier(bert_classifier: tuple[Path, Path, Any]) -> tuple[Path, Path, Any]:
+    return bert_classifier  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

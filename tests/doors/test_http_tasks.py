@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.head_helpers import BERT_LABELS, head_bundle, hf_logits, hf_tokenizer
+from tests.support.head_helpers import BERT_LABELS, hf_logits, hf_tokenizer
 from tests.support.helpers import Running
 
 QUERY = "the cat"
@@ -22,16 +22,6 @@ TEXTS = ["a cat .", "the the the c", "b", "cats a cats"]
 
 def url(s: Running) -> str:
     return f"http://127.0.0.1:{s.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def bert_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-reranker")
-
-
-@pytest.fixture(scope="module")
-def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-classifier")
 
 
 async def test_rerank_route_in_teis_shape(start_server: Any, bert_reranker: tuple[Path, Path, Any]) -> None:

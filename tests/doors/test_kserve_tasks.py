@@ -28,11 +28,6 @@ QUERY = "the cat"
 PASSAGES = ["a cat .", "the the the c", "b", "cats a cats", "c c c", "the cat"]
 
 
-@pytest.fixture(scope="module")
-def bert_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-reranker")
-
-
 def text_input(texts: list[str]) -> triton.InferInput:
     tensor = triton.InferInput("text", [len(texts)], "BYTES")
     tensor.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))

@@ -16,28 +16,13 @@ import torch
 
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import from_tensor
-from tests.support.head_helpers import BERT_LABELS, head_bundle, hf_logits, hf_tokenizer
+from tests.support.head_helpers import BERT_LABELS, hf_logits, hf_tokenizer
 from tests.support.helpers import violated_field
 
 QUERY = "the cat"
 PASSAGES = ["a cat .", "the the the c", "b", "cats a cats", "c c c", "the cat"]
 X_QUERY = "hello world"
 X_PASSAGES = ["the cats", "hello", "a, b. c", "world is the cat", "über 東京"]
-
-
-@pytest.fixture(scope="module")
-def bert_classifier(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-classifier")
-
-
-@pytest.fixture(scope="module")
-def bert_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "bert-reranker")
-
-
-@pytest.fixture(scope="module")
-def xlmr_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
-    return head_bundle(tmp_path_factory, "xlmr-reranker")
 
 
 def _sigmoid(x: torch.Tensor) -> np.ndarray:
