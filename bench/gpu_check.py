@@ -13,7 +13,9 @@ deadline; a phase that fails or runs out of time is recorded, and the next one s
            CUDA events: lengths on the host (no row padded: SDPA without a mask, flash-eligible) and on the
            device (the masked path); against a bf16 F.linear matmul timed the same way; and the service's
            batch path (service.runner.Runner.execute: collate, copy in, forward, copy out, pool).
-  service  (bench/gpu_load.py) `python -m service` on that bundle (cuda, bf16) under closed-loop load
+  service  (bench/gpu_load.py) first what the service chooses at warm-up with its defaults (precision auto, the
+           batch budget measured on the device: ModelInfo's precision, precision_reason, batch_budget), then
+           `python -m service` on that bundle (cuda, bf16) under closed-loop load
            (client.load.run_load) from several spawned load-generator processes (their CPU seconds per
            second are reported), lengths fixed at 128 and 512, mean-pooled outputs, at concurrency 64
            (1 process and all), 16 and 256, and 64 returning hidden states. It ends 20% of the budget before

@@ -1,5 +1,6 @@
-"""The service phase of bench/gpu_check.py: `python -m service` under closed-loop load from several spawned
-load-generator processes (one Python process may not keep up with a GPU), their reports merged; the table."""
+"""The service phase of bench/gpu_check.py: what the service chooses at warm-up on this device with its defaults
+(precision, batch budget, from ModelInfo), then `python -m service` under closed-loop load from several spawned
+load-generator processes (one Python process may not keep up with a GPU), their reports merged; the tables."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import multiprocessing
 import time
 from collections import Counter
 from queue import Empty
+from pathlib import Path
 from typing import Any
 
 from bench.gpu_model import MAX_BATCH_SIZE, PRESETS, ceiling, cell, fmt, preset_bundle
@@ -88,9 +90,49 @@ def merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "loadgen_cpu": sum(p["client_cpu"] for p in parts), "loadgen_cpu_max": max(p["client_cpu"] for p in parts)}
 
 
+CHOICES = ("precision", "precision_reason", "precision_forward_ms", "batch_budget", "backend")  # of ModelInfo
+
+
+def warmup_choices(bundle: Path, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """Start the service on `bundle` with its defaults (`precision auto`, the budget measured at warm-up) and
+    return what it chose and why, as its ModelInfo says (the fields of CHOICES that it has)."""
+    import grpc
+    from google.protobuf import json_format
+
+    from proto.attention.v1 import attention_pb2 as pb
+    from proto.attention.v1 import attention_pb2_grpc as pb_grpc
+
+    server = ServerProcess(bundle, "--device", args.device, "--max-batch-size", str(MAX_BATCH_SIZE), "--log-level",
+                           "warning", pinned=False, timeout=max(10.0, min(240.0, deadline - time.monotonic() - 10)))
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            info = pb_grpc.AttentionServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    finally:
+        server.stop()
+    fields = json_format.MessageToDict(info, preserving_proto_field_name=True)
+    return {name: fields[name] for name in CHOICES if name in fields}
+
+
+def choices_lines(choices: dict[str, Any]) -> list[str]:
+    if not choices:
+        return []
+    budget = choices.get("batch_budget", {})
+    curve = ", ".join(f"{k}: {float(v):.0f}" for k, v in sorted(budget.get("tokens_per_second", {}).items(),
+                                                                key=lambda kv: int(kv[0])))
+    return ["", "Chosen at warm-up by the service's defaults (`--precision auto`, budget measured; ModelInfo):", "",
+            f"- precision {choices.get('precision', '?')}: {choices.get('precision_reason', '')}",
+            f"- max_batch_tokens {budget.get('max_batch_tokens', '?')}: {budget.get('reason', '')}"
+            + (f" (tokens/s by batch tokens: {curve})" if curve else "")]
+
+
 def phase_service(args: argparse.Namespace, deadline: float, record: dict[str, Any], model: dict[str, Any]
                   ) -> dict[str, Any]:
     bundle, lengths = preset_bundle(args.preset), PRESETS[args.preset][1]
+    try:  # first: a short start-up, and the measured choices are part of what the phase reports
+        record["choices"] = warmup_choices(bundle, args, deadline)
+        print("\n".join(choices_lines(record["choices"])), flush=True)
+    except Exception as e:  # noqa: BLE001 - recorded; the load runs still run
+        record["choices"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     flags = ["--device", args.device, "--precision", args.precision, "--max-batch-size", str(MAX_BATCH_SIZE),
              "--max-batch-tokens", str(args.max_batch_tokens)]
     record["server_flags"] = flags
@@ -168,9 +210,11 @@ def _run_line(r: dict[str, Any]) -> str:
 
 
 def service_table(service: dict[str, Any]) -> list[str]:
+    choices = service.get("choices", {})
+    head = choices_lines(choices) if "error" not in choices else ["", f"Warm-up choices: {choices['error']}"]
     if not service.get("runs"):
-        return []
-    lines = ["", f"Service under load (`python -m service {' '.join(service['server_flags'])}`):", "",
+        return head
+    lines = [*head, "", f"Service under load (`python -m service {' '.join(service['server_flags'])}`):", "",
              "| length | conc. | procs | output | seq/s | of ceiling | p50 ms | p99 ms | queue ms | compute ms | "
              "batch | loadgen CPU s/s (max/proc) | errors |", "|" + "---|" * 13]
     for r in service["runs"]:

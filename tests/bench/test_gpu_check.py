@@ -73,6 +73,11 @@ def test_cpu_smoke_run_reports_every_phase(tmp_path: Path) -> None:
     measured = [r for r in phases["model"]["rows"] if "seq_s" in r]
     assert {r["length"] for r in measured} == {16, 64} and all(r["seq_s"] > 0 for r in measured)
     assert set(phases["model"]["service_path"]) == {"16", "64"}
+    choices = phases["service"]["choices"]  # what the defaults chose at warm-up (CPU here: both measured)
+    assert choices["precision"] in ("fp32", "bf16", "fp16") and choices["precision_reason"].startswith("measured")
+    assert choices["batch_budget"]["reason"].startswith("measured") and choices["batch_budget"]["tokens_per_second"]
+    assert f"- precision {choices['precision']}: measured" in text
+    assert f"- max_batch_tokens {choices['batch_budget']['max_batch_tokens']}: measured" in text
     runs = phases["service"]["runs"]
     assert {(r["length"], r["concurrency"], r["procs"], r["output"]) for r in runs} == {
         (T, 64, procs, output) for T in (16, 64) for procs, output in ((2, "pooled"), (1, "pooled"), (2, "hidden"))}
