@@ -9,8 +9,8 @@ import asyncio
 import multiprocessing
 import time
 from collections import Counter
-from queue import Empty
 from pathlib import Path
+from queue import Empty
 from typing import Any
 
 from bench.gpu_model import MAX_BATCH_SIZE, PRESETS, ceiling, cell, fmt, preset_bundle
