@@ -211,10 +211,10 @@ def _run_line(r: dict[str, Any]) -> str:
 
 def service_table(service: dict[str, Any]) -> list[str]:
     choices = service.get("choices", {})
-    head = choices_lines(choices) if "error" not in choices else ["", f"Warm-up choices: {choices['error']}"]
+    intro = choices_lines(choices) if "error" not in choices else ["", f"Warm-up choices: {choices['error']}"]
     if not service.get("runs"):
-        return head
-    lines = [*head, "", f"Service under load (`python -m service {' '.join(service['server_flags'])}`):", "",
+        return intro
+    lines = [*intro, "", f"Service under load (`python -m service {' '.join(service['server_flags'])}`):", "",
              "| length | conc. | procs | output | seq/s | of ceiling | p50 ms | p99 ms | queue ms | compute ms | "
              "batch | loadgen CPU s/s (max/proc) | errors |", "|" + "---|" * 13]
     for r in service["runs"]:
