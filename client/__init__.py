@@ -20,6 +20,7 @@ from client.errors import (
     Unavailable,
 )
 from client.messages import (
+    BatchBudget,
     Classification,
     EncodeOptions,
     EncodeResult,
@@ -36,6 +37,7 @@ from client.messages import (
 
 __all__ = [
     "TLS",
+    "BatchBudget",
     "Cancelled",
     "Classification",
     "ClientError",

@@ -169,7 +169,10 @@ def format_info(info: ModelInfo) -> str:
     rows = [("name", info.name), ("version", info.version), ("checksum", info.checksum),
             ("d_model", info.d_model), ("n_heads", info.n_heads), ("n_layers", info.n_layers),
             ("vocab_size", info.vocab_size), ("max_length", info.max_length), ("positional", info.positional),
-            ("precision", info.precision), ("device", info.device)]
+            ("precision", info.precision), ("precision_reason", info.precision_reason or "-"), ("device", info.device)]
+    if info.batch_budget is not None:
+        budget = info.batch_budget
+        rows += [("batch.max_batch_tokens", budget.max_batch_tokens), ("batch.reason", budget.reason)]
     rows += [(f"limits.{k}", v) for k, v in asdict(info.limits).items()]
     rows += [(f"text.{k}", v) for k, v in asdict(info.text).items()] if info.text else [("text", "not accepted")]
     rows += [("tasks", ", ".join(info.tasks))] + ([("labels", ", ".join(info.labels))] if info.labels else [])

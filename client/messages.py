@@ -303,6 +303,19 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class BatchBudget:
+    """The server's token budget of one batch and where it came from (`attention.v1.BatchBudget`)."""
+
+    max_batch_tokens: int
+    reason: str  # "configured", a device default, or the curve measured at warm-up and the choice
+    tokens_per_second: dict[int, float] = field(default_factory=dict)  # the warm-up curve; empty: not measured
+
+    @classmethod
+    def from_proto(cls, m: pb.BatchBudget) -> BatchBudget:
+        return cls(int(m.max_batch_tokens), m.reason, {int(k): float(v) for k, v in m.tokens_per_second.items()})
+
+
+@dataclass(frozen=True)
 class TextInfo:
     """How a model served with a tokenizer takes text (`attention.v1.TextInfo`)."""
 
@@ -340,6 +353,8 @@ class ModelInfo:
     quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     tasks: tuple[str, ...] = ()  # what the model serves: embed, classify, rerank, sparse (docs/tasks.md)
     labels: tuple[str, ...] = ()  # the classification head's labels, in id order (classify's scores)
+    precision_reason: str = ""  # "configured", or what was measured at warm-up and why this precision
+    batch_budget: BatchBudget | None = None  # None: a server that does not say
 
     @classmethod
     def from_proto(cls, m: pb.ModelInfo) -> ModelInfo:
@@ -353,7 +368,8 @@ class ModelInfo:
                    int(m.vocab_size), int(m.max_length), m.positional, m.precision, m.device, limits, text,
                    float(m.attention_scale), bool(m.standard_scale), m.relative_bias or "none",
                    (tuple(m.quantization_ranges.min), tuple(m.quantization_ranges.max))
-                   if m.HasField("quantization_ranges") else None, tuple(m.tasks), tuple(m.labels))
+                   if m.HasField("quantization_ranges") else None, tuple(m.tasks), tuple(m.labels),
+                   m.precision_reason, BatchBudget.from_proto(m.batch_budget) if m.HasField("batch_budget") else None)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,9 @@ def test_info(service: ServerProcess, capsys):
     fields = dict(line.split(maxsplit=1) for line in out.splitlines())
     assert (fields["name"], fields["d_model"], fields["n_layers"], fields["vocab_size"]) == ("tiny", "32", "2", "100")
     assert fields["limits.max_message_bytes"] == str(64 << 20)
+    # The test server pins precision (tests/support/server_process.py PINNED) and sets the budget itself.
+    assert (fields["precision_reason"], fields["batch.max_batch_tokens"], fields["batch.reason"]) == (
+        "configured", "2048", "configured")
     code, out, _ = run_cli(capsys, "info", "--target", service.target, "--json")
     assert code == 0 and json.loads(out)["limits"]["max_attention_bytes"] > 0
 
