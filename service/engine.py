@@ -101,6 +101,7 @@ async def measure_choices(config: ServiceConfig, spec: ModelSpec, runner: Runner
                 future.result()
 
         curves = await asyncio.to_thread(measure_splits, run, splits, shapes)
+        await threads.call(lambda: runner.set_wide(True))  # the lead: every thread again, for what follows
         for workers, curve in sorted(curves.items()):
             points = ", ".join(f"{tokens}: {rate:.0f}" for tokens, rate in sorted(curve.items()))
             log.info("warm-up, %d worker(s) x %d thread(s) side by side, tokens/s by batch tokens: %s",
@@ -173,12 +174,15 @@ class Engine:
         runner.set_workers(split.workers)
         limits = batch_limits(config, spec, budget)
         log.info("model_workers %d: %s", split.workers, split.reason)
-        log.info("max_batch_tokens %d: %s", limits.max_batch_tokens, budget.reason)
+        reason = budget.reason
+        if limits.max_batch_tokens != budget.max_batch_tokens:
+            reason += f"; raised to the model's max_length ({limits.max_batch_tokens}): one longest sequence must fit"
         compared = {workers: curve for workers, curve in split.curves.items() if workers != split.workers}
         spec = dataclasses.replace(
-            spec, max_batch_tokens=limits.max_batch_tokens, batch_reason=budget.reason, batch_curve=budget.curve,
+            spec, max_batch_tokens=limits.max_batch_tokens, batch_reason=reason, batch_curve=budget.curve,
             model_workers=split.workers, workers_reason=split.reason,
             compared_workers=next(iter(compared), 0), compared_curve=next(iter(compared.values()), {}))
+        log.info("max_batch_tokens %d: %s", limits.max_batch_tokens, reason)
         if config.warmup:
             await threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
         if len(config.entropy_baselines) not in (0, 1, spec.n_layers):

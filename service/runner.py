@@ -180,12 +180,9 @@ class Runner:
 
     def run_probe(self, jobs: list[Job], workers: int) -> None:
         """On a model thread: `jobs` as one batch, on the threads one of `workers` side-by-side workers
-        gets (every thread for 1), then this thread back to every thread."""
+        gets (every thread for 1). The width stays set for what this thread runs next."""
         self._width.threads = max(1, self._threads // workers)
-        try:
-            _warm(self.execute(jobs))
-        finally:
-            self.set_wide(True)
+        _warm(self.execute(jobs))
 
     def warmup(self, max_batch_tokens: int, max_batch_size: int) -> None:
         """Forwards at the largest batch shape the limits allow, plus the attention path."""

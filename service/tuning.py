@@ -25,6 +25,7 @@ import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,8 @@ PRECISION_BOUNDS: dict[str, Bound] = {
     "bf16": Bound(min_cosine=0.9995, max_hidden_error=RELATIVE_ERROR_BOUND["bfloat16"]),
     "fp16": Bound(min_cosine=0.99999, max_hidden_error=RELATIVE_ERROR_BOUND["float16"]),
 }
+K = TypeVar("K")  # what fastest_times' runs are named by
+
 MIN_SPEEDUP = 1.1  # a reduced precision must beat fp32 by this factor to be served
 BATCH_GAIN = 1.1  # a larger batch must raise throughput by this factor to be worth its latency
 WORKERS_GAIN = 1.1  # a worker split other than the default must beat its best throughput by this factor
@@ -96,8 +99,8 @@ def agreement(got: torch.Tensor, want: torch.Tensor, lengths: torch.Tensor) -> A
     return Agreement(cosine, error, finite)
 
 
-def fastest_times(runs: Mapping[str, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
-                  min_rounds: int = 2) -> dict[str, float]:
+def fastest_times(runs: Mapping[K, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
+                  min_rounds: int = 2) -> dict[K, float]:
     """Seconds of each run's fastest call: `rounds` interleaved rounds (each run once per round, the
     order alternating), fewer once `budget_s` is spent (never fewer than `min_rounds`)."""
     best = dict.fromkeys(runs, float("inf"))
@@ -172,10 +175,15 @@ def measure_splits(run: Callable[[int, int, int], object], splits: Sequence[int]
                    shapes: Sequence[tuple[int, int]], *, rounds: int = 3, budget_s: float = 4.0,
                    min_rounds: int = 2) -> dict[int, dict[int, float]]:
     """Tokens/s of each worker split at each batch shape: `run(workers, rows, seq)` returns once
-    `workers` model threads have each run one batch of `rows` x `seq` tokens side by side. First every
-    (split, shape) once to let TorchScript specialise, ascending, dropping the larger shapes once a
-    call takes longer than a quarter of `budget_s` or half of it is spent; then interleaved rounds
-    (fastest_times) in what is left. Returns {workers: {batch tokens: tokens/s}}."""
+    `workers` model threads have each run one batch of `rows` x `seq` tokens side by side. First the
+    smallest shape on every split twice, outside the budget (TorchScript profiles and optimises on a
+    graph's first calls, seconds on a busy machine); then every (split, shape) once, ascending,
+    dropping the larger shapes once a call takes longer than a quarter of `budget_s` or half of it is
+    spent; then interleaved rounds (fastest_times) in what is left. Returns {workers: {batch tokens:
+    tokens/s}}."""
+    for _ in range(2):
+        for workers in splits:
+            run(workers, *shapes[0])
     started = time.perf_counter()
     kept: list[tuple[int, int]] = []
     for rows, seq in shapes:

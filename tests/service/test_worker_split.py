@@ -33,7 +33,8 @@ def test_the_splits_measured_and_a_configured_count_winning():
     assert worker_splits(ServiceConfig(device="cpu", torch_threads=1)) == (1,)
     assert worker_splits(ServiceConfig(device="cpu", torch_threads=4, model_workers=3)) == (3,)
     curves = {1: {512: 500.0}, 2: {512: 100.0}}
-    assert workers_choice(ServiceConfig(device="cpu", torch_threads=2, model_workers=2), curves, 2).reason == "configured"
+    configured = workers_choice(ServiceConfig(device="cpu", torch_threads=2, model_workers=2), curves, 2)
+    assert (configured.workers, configured.reason) == (2, "configured")
     measured = workers_choice(ServiceConfig(device="cpu", torch_threads=2), curves, 2)
     assert measured.workers == 1 and measured.reason.startswith("measured at warm-up, side by side")
     assert "1 x 2 thread(s) 500" in measured.reason and "2 x 1 thread(s) 100" in measured.reason
@@ -44,8 +45,9 @@ def test_the_splits_measured_and_a_configured_count_winning():
 def test_every_split_and_shape_is_run_with_its_workers_and_larger_shapes_stop_at_the_budget():
     calls: list[tuple[int, int, int]] = []
     measure_splits(lambda *args: calls.append(args), (1, 2), [(1, 128), (2, 128)], rounds=3, budget_s=60)
-    assert calls[:4] == [(1, 1, 128), (2, 1, 128), (1, 2, 128), (2, 2, 128)]  # each once to specialise, ascending
-    assert len(calls) == 4 + 3 * 4 and set(calls[4:]) == set(calls[:4])  # then 3 interleaved rounds of all
+    assert calls[:4] == [(1, 1, 128), (2, 1, 128)] * 2  # the smallest twice on each split, for TorchScript
+    assert calls[4:8] == [(1, 1, 128), (2, 1, 128), (1, 2, 128), (2, 2, 128)]  # then each once, ascending
+    assert len(calls) == 8 + 3 * 4 and set(calls[8:]) == set(calls[4:8])  # then 3 interleaved rounds of all
 
     seen: list[tuple[int, int]] = []
     stop = threading.Event()
@@ -56,6 +58,7 @@ def test_every_split_and_shape_is_run_with_its_workers_and_larger_shapes_stop_at
 
     curves = measure_splits(slow, (1, 2), [(1, 128), (2, 128), (4, 128)], budget_s=0.1)
     assert set(seen) == {(1, 128)} and set(curves) == {1, 2} and set(curves[2]) == {128}
+    assert len(seen) == 4 + 2 + 2 * 2  # the first shape: twice outside the budget, once, then two rounds
     assert all(rate > 0 for curve in curves.values() for rate in curve.values())
 
 

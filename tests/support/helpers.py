@@ -48,10 +48,10 @@ def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
     a machine with a GPU; CUDA is what tests/gpu/test_gpu.py asks for by overriding it. The model workers are
     the device's default, configured, so a test's split is not a warm-up measurement's choice (a test asks
     for model_workers=0 to measure it)."""
-    device = str(overrides.get("device", "cpu"))
+    device, threads = str(overrides.get("device", "cpu")), int(overrides.get("torch_threads") or default_threads())
     base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, model=str(bundle), device=device,
                          precision="fp32", max_batch_tokens=2048, drain_grace_s=2.0,
-                         model_workers=default_workers(device, int(overrides.get("torch_threads") or default_threads())))
+                         model_workers=default_workers(device, threads))
     return dataclasses.replace(base, **overrides)
 
 

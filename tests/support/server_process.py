@@ -35,7 +35,8 @@ class ServerProcess:
     `prelude` (Python) runs in the server process before the service starts, and `source` is the tree
     it runs from (bench.ab compares two trees). `pinned` (the default) fixes what the service would
     otherwise measure at warm-up, precision (fp32), max_batch_tokens (1024, the CPU default without
-    warm-up) and model_workers (the device's default), so two processes of a test serve alike; bench.ab passes False to run the real defaults."""
+    warm-up) and model_workers (the device's default), so two processes of a test serve alike; bench.ab
+    passes False to run the real defaults."""
 
     def __init__(self, bundle: Path, *flags: str, directory: Path | None = None, env: dict[str, str] | None = None,
                  timeout: float = 120.0, prelude: str = "", source: Path = ROOT, pinned: bool = True) -> None:
