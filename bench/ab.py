@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.service_bench import _choices as describe
+from bench.service_bench import served_choices
 from client.load import run_load
 from model.default import ensure_default_bundle
 from tests.support.server_process import ServerProcess
@@ -98,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             for side in order:
                 if side not in sides:
                     sides[side] = start_side(side)
+                    served = served_choices(sides[side].target)
+                    print(f"round {round_} {side.upper()}: {describe(served)}", flush=True)
+                    for key in ("workers_reason", "batch_reason"):
+                        if served[key].startswith("measured"):
+                            print(f"  {served[key]}", flush=True)
             for side in order:
                 server = sides[side]
                 cpu_before = cpu_s(server.pid)

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream", action="store_true",
                         help="callers send over one EncodeStream per connection instead of unary Encode calls")
     parser.add_argument("--workers", type=int, default=0,
-                        help="the server's model workers, also tried by the ceiling (0 = the server's default)")
+                        help="the server's model workers (0 = what it measures at warm-up); the ceiling tries 1 "
+                             "and this (0: the CPU default, 2 on 2+ threads)")
     parser.add_argument("--server-flag", action="append", default=[], help="extra flag for the server (repeat)")
     parser.add_argument("--naive", action=argparse.BooleanOptionalAction, default=True,
                         help="run the naive unbatched server (bench/naive_server.py) beside the service, in turn")
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     from service.device import default_threads, default_workers
 
     threads = args.threads or default_threads()
-    workers = args.workers or default_workers("cpu", threads)
+    # The ceiling's side-by-side count, besides 1: the server's if it is given more, else the CPU default.
+    workers = args.workers if args.workers > 1 else default_workers("cpu", threads)
     torch.set_num_threads(threads)
     precisions = ["fp32", "bf16"] if args.bf16 else ["fp32"]
     arms = [(p, True) for p in precisions] + ([] if args.quick else [("fp32", False)])
@@ -215,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     roofs: dict[str, InProcess] = {}
     searched: list[Ceiling] = []
     results: list[dict[str, Any]] = []
+    chosen: list[dict[str, Any]] = []  # per arm: the service's worker split and budget, from its ModelInfo
     for precision, batching in arms:
         if precision not in roofs:
             print(f"ceiling search {precision} ...", flush=True)
@@ -222,9 +225,14 @@ def main(argv: list[str] | None = None) -> int:
             searched.append(roofs[precision].search())
             print(f"  {searched[-1]}", flush=True)
         roof, ceiling = roofs[precision], next(c for c in searched if c.precision == precision)
+        # The service as it serves: its worker split and batch budget are what it measures at warm-up,
+        # unless --workers or a --server-flag sets them; the precision is the arm's.
         flags = ["--precision", precision, "--max-batch-size", str(max_batch_size if batching else 1),
-                 "--torch-threads", str(threads), "--model-workers", str(workers), *args.server_flag]
-        server = ServerProcess(bundle, *flags, "--log-level", "warning")
+                 "--torch-threads", str(threads), *(["--model-workers", str(args.workers)] if args.workers else []),
+                 *args.server_flag]
+        server = ServerProcess(bundle, *flags, "--log-level", "warning", pinned=False)
+        chosen.append({"precision": precision, "batching": batching, **served_choices(server.target)})
+        print(f"  service {precision} batching={'on' if batching else 'off'}: {_choices(chosen[-1])}", flush=True)
         naive = None
         try:
             if batching and args.naive:  # the same model, precision and threads, one forward per call
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         roof.close()
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "workers": workers,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "workers": workers, "served": chosen,
             "calls": "EncodeStream" if args.stream else "unary Encode",
             "command": " ".join(["python -m bench.service_bench", *(argv if argv is not None else sys.argv[1:])]),
             "load_start": load_start, "load_end": _load_average()}
@@ -269,6 +277,28 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.out)
     print(table)
     return 0
+
+
+def served_choices(target: str) -> dict[str, Any]:
+    """The worker split and batch budget a running service chose (GetModelInfo's batch_budget)."""
+    import grpc
+
+    from proto.attention.v1 import attention_pb2 as pb
+    from proto.attention.v1 import attention_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        budget = attention_pb2_grpc.AttentionServiceStub(channel).GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=30).batch_budget
+    return {"model_workers": budget.model_workers, "workers_reason": budget.workers_reason,
+            "max_batch_tokens": budget.max_batch_tokens, "batch_reason": budget.reason}
+
+
+def _choices(served: dict[str, Any]) -> str:
+    def source(reason: str) -> str:
+        return "configured" if reason == "configured" else "measured" if reason.startswith("measured") else "default"
+
+    return (f"{served['model_workers']} model workers ({source(served['workers_reason'])}), max_batch_tokens "
+            f"{served['max_batch_tokens']} ({source(served['batch_reason'])})")
 
 
 def _row(arm: str, precision: str, batching: bool, lengths: tuple[int, int], round_: int, bar: list[float],
@@ -311,8 +341,11 @@ def _machine() -> str:
 def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[str, Any]]) -> str:
     said = ", ".join(f"{when} {' '.join(f'{x:.2f}' for x in meta[f'load_{when}'])}" for when in ("start", "end")
                      if meta.get(f"load_{when}") is not None)
-    lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads, "
-             f"{meta['workers']} model workers; load over {meta['calls']} (the naive server: unary Encode); "
+    served = "; ".join(f"{s['precision']} batching {'on' if s['batching'] else 'off'}: {_choices(s)}"
+                       for s in meta.get("served", ()))
+    lines = [f"Run {meta['date']} on {meta['machine']}; torch {meta['torch']}, {meta['threads']} threads; "
+             f"the service as it chose at warm-up: {served or 'not recorded'}; the ceiling tried 1 and "
+             f"{meta['workers']} workers; load over {meta['calls']} (the naive server: unary Encode); "
              f"load average {said or 'unknown'}; `{meta['command']}`", "",
              "The ceiling search (in process, once per precision, at the start):", "",
              "| precision | fixed 128 seq/s (best batch, workers) | mixed 16..256 seq/s (best budget, workers) "

@@ -57,7 +57,8 @@ class ServiceConfig:
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
     torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = one per core)")
     model_workers: int = _opt(0, "CPU batches computed side by side, each with an equal share of torch_threads; "
-                                 "a batch that runs alone gets them all (0 = 2 on cpu, 1 on cuda)")
+                                 "a batch that runs alone gets them all (0 = on cpu, 1 or 2 as measured side by side "
+                                 "at warm-up, docs/performance.md, or 2 without warm-up; 1 on cuda)")
     small_batch_work: int = _opt(16384, "a CPU batch below this much work (batch tokens x d_model x layers) runs on "
                                         "one intra-op thread, however many it may use (0 = never)")
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")

@@ -1,8 +1,11 @@
 """The model half of a serving process: the model threads, the runner, the batch limits and the batcher.
 
-The order is the dependencies' order: the model threads exist first; the runner loads the bundle and
-warms up on the lead thread; the batch limits follow from (config, loaded model), computed once; then
-the batcher starts with the runner, the limits and the threads. Both serving modes hold one `Engine`
+The order is the dependencies' order: the model threads exist first (as many as a worker split may
+use: the configured count, else the device default); the runner loads the bundle on the lead thread;
+the worker split and the batch budget follow from (config, loaded model, a measurement on those
+threads side by side, `measure_choices`), computed once, and the threads beyond the chosen split end;
+the batch limits follow from the budget; the runner warms up on the lead thread; then the batcher
+starts with the runner, the limits and the threads. Both serving modes hold one `Engine`
 (service/server.py in one process, service/multiproc/host.py as the model process of edge processes);
 its shutdown is `close()` (no new work) then `drain(grace)` (what was admitted is answered, then the
 threads stop), written here once.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 
 from model.bundle import MANIFEST_FILE
@@ -24,7 +28,16 @@ from service.fault_hooks import FaultHooks
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.runner import Runner
-from service.tuning import BatchChoice, batch_reason, choose_batch_tokens
+from service.tuning import (
+    BatchChoice,
+    WorkersChoice,
+    batch_reason,
+    batch_shapes,
+    choose_batch_tokens,
+    choose_workers,
+    measure_splits,
+    workers_reason,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +50,66 @@ def model_workers(config: ServiceConfig) -> int:
     return workers
 
 
-def batch_budget(config: ServiceConfig, curve: dict[int, float], seq_len: int, threads: int) -> BatchChoice:
-    """max_batch_tokens: configured, else chosen from the warm-up curve, else the device's default."""
+def batch_budget(config: ServiceConfig, curve: dict[int, float], seq_len: int, threads: int,
+                 workers: int = 1) -> BatchChoice:
+    """max_batch_tokens: configured, else chosen from the warm-up curve (of `workers` side by side on
+    `threads` each), else the device's default."""
     if config.max_batch_tokens:
         return BatchChoice(config.max_batch_tokens, "configured", {})
     if not curve:
         return BatchChoice(default_batch_tokens(config.device), "device default (not measured: warm-up is off)", {})
     chosen = choose_batch_tokens(curve)
-    return BatchChoice(chosen, batch_reason(curve, chosen, seq_len, threads), dict(curve))
+    return BatchChoice(chosen, batch_reason(curve, chosen, seq_len, threads, workers), dict(curve))
+
+
+def worker_splits(config: ServiceConfig) -> tuple[int, ...]:
+    """The worker counts warm-up measures side by side: the configured one (measured only for the
+    budget), else 1 and the device default (just the default on a GPU, or with one thread)."""
+    default = model_workers(config)
+    return (default,) if config.model_workers or default == 1 else (1, default)
+
+
+def workers_choice(config: ServiceConfig, curves: dict[int, dict[int, float]], threads: int) -> WorkersChoice:
+    """model_workers: configured, else chosen from the curves of the splits side by side, else the default."""
+    default = model_workers(config)
+    if config.model_workers:
+        return WorkersChoice(default, "configured", {})
+    if len(curves) < 2:
+        why = "not measured: warm-up is off" if not curves else "one worker on a GPU or on one thread"
+        return WorkersChoice(default, f"device default ({why})", dict(curves))
+    chosen = choose_workers(curves, default)
+    return WorkersChoice(chosen, workers_reason(curves, chosen, default, threads), dict(curves))
+
+
+async def measure_choices(config: ServiceConfig, spec: ModelSpec, runner: Runner,
+                          threads: ModelThreads) -> tuple[WorkersChoice, BatchChoice]:
+    """The worker split and the batch budget: each configured, else measured at warm-up with the
+    splits' workers running side by side on `threads` (service/tuning.py measure_splits), the budget
+    on the chosen split's curve. The measurement's coordinator waits on a plain thread, never on a
+    model thread, whose forwards it waits for."""
+    splits = worker_splits(config)
+    total = config.torch_threads or default_threads()
+    curves: dict[int, dict[int, float]] = {}
+    if config.warmup and (len(splits) > 1 or not config.max_batch_tokens):
+        sizes = (config.max_batch_tokens,) if config.max_batch_tokens else measured_batch_tokens(config.device)
+        shapes = batch_shapes(spec.max_length, config.max_batch_size, sizes)
+
+        def run(workers: int, rows: int, seq: int) -> None:
+            jobs = runner.probe_batch(rows, seq)
+            futures = [threads.submit(i, functools.partial(runner.run_probe, jobs, workers)) for i in range(workers)]
+            for future in futures:
+                future.result()
+
+        curves = await asyncio.to_thread(measure_splits, run, splits, shapes)
+        await threads.call(lambda: runner.set_wide(True))  # the lead: every thread again, for what follows
+        for workers, curve in sorted(curves.items()):
+            points = ", ".join(f"{tokens}: {rate:.0f}" for tokens, rate in sorted(curve.items()))
+            log.info("warm-up, %d worker(s) x %d thread(s) side by side, tokens/s by batch tokens: %s",
+                     workers, max(1, total // workers), points)
+    split = workers_choice(config, curves, total)
+    budget = batch_budget(config, curves.get(split.workers, {}), min(128, spec.max_length),
+                          max(1, total // split.workers), split.workers)
+    return split, budget
 
 
 def batch_limits(config: ServiceConfig, spec: ModelSpec, budget: BatchChoice | None = None) -> BatchLimits:
@@ -76,7 +141,7 @@ class Engine:
         self.config = config
         self.metrics = metrics
         self.hooks = hooks
-        self.threads = ModelThreads(model_workers(config))
+        self.threads = ModelThreads(model_workers(config))  # fewer once a split is measured (`load`)
         self.batcher: Batcher[Job] | None = None
         self.spec: ModelSpec | None = None
 
@@ -103,15 +168,21 @@ class Engine:
             bundle_dir = await self._default_bundle()
         runner = Runner(config, bundle_dir, metrics, len(threads))
         spec = await threads.call(runner.load)
-        curve: dict[int, float] = {}
-        if config.warmup and not config.max_batch_tokens:
-            sizes = measured_batch_tokens(config.device)
-            curve = await threads.call(lambda: runner.measure_batches(sizes, config.max_batch_size))
-        budget = batch_budget(config, curve, min(128, spec.max_length), runner.narrow_threads)
+        split, budget = await measure_choices(config, spec, runner, threads)
+        if split.workers < len(threads):
+            threads.shrink(split.workers)
+        runner.set_workers(split.workers)
         limits = batch_limits(config, spec, budget)
-        log.info("max_batch_tokens %d: %s", limits.max_batch_tokens, budget.reason)
-        spec = dataclasses.replace(spec, max_batch_tokens=limits.max_batch_tokens, batch_reason=budget.reason,
-                                   batch_curve=budget.curve)
+        log.info("model_workers %d: %s", split.workers, split.reason)
+        reason = budget.reason
+        if limits.max_batch_tokens != budget.max_batch_tokens:
+            reason += f"; raised to the model's max_length ({limits.max_batch_tokens}): one longest sequence must fit"
+        compared = {workers: curve for workers, curve in split.curves.items() if workers != split.workers}
+        spec = dataclasses.replace(
+            spec, max_batch_tokens=limits.max_batch_tokens, batch_reason=reason, batch_curve=budget.curve,
+            model_workers=split.workers, workers_reason=split.reason,
+            compared_workers=next(iter(compared), 0), compared_curve=next(iter(compared.values()), {}))
+        log.info("max_batch_tokens %d: %s", limits.max_batch_tokens, reason)
         if config.warmup:
             await threads.call(lambda: runner.warmup(limits.max_batch_tokens, limits.max_batch_size))
         if len(config.entropy_baselines) not in (0, 1, spec.n_layers):
@@ -127,6 +198,7 @@ class Engine:
         metrics.on_choices((spec.name, spec.version, spec.device), spec.precision, _source(spec.precision_reason),
                            spec.precision_forward_ms, spec.max_batch_tokens, _source(spec.batch_reason),
                            spec.batch_curve)
+        metrics.on_workers(spec.model_workers, _source(spec.workers_reason))
         self.batcher, self.spec = batcher, spec
         return batcher, spec
 

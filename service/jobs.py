@@ -78,6 +78,10 @@ class ModelSpec:
     max_batch_tokens: int = 0  # the batch budget in force (service/engine.py batch_budget); 0: not yet chosen
     batch_reason: str = ""  # configured, a device default, or the measured curve and the choice
     batch_curve: dict[int, float] = field(default_factory=dict)  # warm-up: batch tokens -> tokens/s
+    model_workers: int = 0  # the CPU worker split in force (service/engine.py workers_choice); 0: not yet chosen
+    workers_reason: str = ""  # configured, a device default, or the measured splits and the choice
+    compared_workers: int = 0  # the split measured against it at warm-up (batch_curve is the chosen one's); 0: none
+    compared_curve: dict[int, float] = field(default_factory=dict)  # that split's batch tokens -> tokens/s
     # The manifest's int8/uint8 calibration: (min, max), d_model values each or one pair; None: not stated.
     quantization_ranges: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     tasks: tuple[str, ...] = ("embed",)  # what the bundle serves (manifest tasks)

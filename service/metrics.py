@@ -166,6 +166,9 @@ class Metrics:
         self.batch_tokens_limit = Gauge(
             "attention_batch_tokens_limit", "max_batch_tokens in force; source: configured, default or measured",
             ["source"], registry=r, multiprocess_mode="max")
+        self.model_workers = Gauge(
+            "attention_model_workers", "Model workers running batches side by side; source: configured, default or "
+            "measured", ["source"], registry=r, multiprocess_mode="max")
         self.warmup_throughput = Gauge(
             "attention_warmup_tokens_per_second", "The warm-up's measured throughput by batch tokens",
             ["batch_tokens"], registry=r, multiprocess_mode="max")
@@ -305,6 +308,10 @@ class Metrics:
         self.batch_tokens_limit.labels(batch_source).set(batch_tokens)
         for tokens, rate in curve.items():
             self.warmup_throughput.labels(str(tokens)).set(rate)
+
+    def on_workers(self, workers: int, source: str) -> None:
+        """Once warm: the worker split in force and where it comes from."""
+        self.model_workers.labels(source).set(workers)
 
     def on_model(self, n_layers: int, diagnostics: bool, baselines: Sequence[float]) -> None:
         """Once the model is loaded: every layer's series at 0 (alerts watch them), and the baselines."""

@@ -42,7 +42,7 @@ from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
 from service.jobs import POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
-from service.tuning import PrecisionChoice, agreement, batch_shapes, choose_precision, fastest_times
+from service.tuning import PrecisionChoice, agreement, choose_precision, fastest_times
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ class Runner:
     def __init__(self, config: ServiceConfig, bundle_dir: str, observer: RunnerObserver, workers: int = 1) -> None:
         self._config = config
         self._threads = config.torch_threads or default_threads()
-        self._narrow_threads = max(1, self._threads // workers)  # a batch's share beside other workers' batches
+        self._narrow_threads = 1
+        self.set_workers(workers)
         self._bundle_dir = bundle_dir
         self._observer = observer
         self.device = resolve_device(config.device)
@@ -170,31 +171,18 @@ class Runner:
             choice = PrecisionChoice(choice.precision, f"{choice.reason}; {'; '.join(notes)}", choice.forward_ms)
         return loaded[choice.precision], loaded["fp32"].module, choice
 
-    def measure_batches(self, sizes: Sequence[int], max_batch_size: int, budget_s: float = 4.0) -> dict[int, float]:
-        """Tokens/s of a pooled forward at each budget in `sizes` (shapes: service/tuning.py batch_shapes),
-        on the width a batch gets under load (one worker's share of the threads). Ascending; it stops
-        once `budget_s` is spent or after a forward longer than a quarter of it. Each shape: one call to
-        let TorchScript specialise, then the faster of two."""
+    def probe_batch(self, rows: int, seq: int) -> list[Job]:
+        """A warm-up measurement's batch (service/tuning.py measure_splits): `rows` pooled rows of `seq`
+        ids, seeded, from the lower 90% of the vocabulary (test models keep sentinel ids at the top)."""
         spec = self._require_spec()
-        self.set_wide(False)
-        curve: dict[int, float] = {}
-        started = time.perf_counter()
-        try:
-            for rows, seq in batch_shapes(spec.max_length, max_batch_size, sizes):
-                ids = np.random.default_rng(rows).integers(0, max(1, spec.vocab_size - spec.vocab_size // 10), seq)
-                jobs = [Job(ids, None, pooling=POOL_MEAN)] * rows
-                runs = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    _warm(self.execute(jobs))
-                    runs.append(time.perf_counter() - t0)
-                tokens = rows * seq
-                curve[tokens] = tokens / min(runs[1:])
-                if time.perf_counter() - started > budget_s or runs[-1] > budget_s / 4:
-                    break
-        finally:
-            self.set_wide(True)
-        return curve
+        ids = np.random.default_rng(rows).integers(0, max(1, spec.vocab_size - spec.vocab_size // 10), seq)
+        return [Job(ids, None, pooling=POOL_MEAN)] * rows
+
+    def run_probe(self, jobs: list[Job], workers: int) -> None:
+        """On a model thread: `jobs` as one batch, on the threads one of `workers` side-by-side workers
+        gets (every thread for 1). The width stays set for what this thread runs next."""
+        self._width.threads = max(1, self._threads // workers)
+        _warm(self.execute(jobs))
 
     def warmup(self, max_batch_tokens: int, max_batch_size: int) -> None:
         """Forwards at the largest batch shape the limits allow, plus the attention path."""
@@ -223,6 +211,11 @@ class Runner:
             # sampled batches would pay that on a model thread, rather than the service's start.
             for jobs in ([Job(ids, None)] * n, [Job(ids[:8], None)] * 2, [Job(ids[:8], None)] * 2):
                 self._diagnose(jobs)
+
+    def set_workers(self, workers: int) -> None:
+        """How many workers run batches side by side (their narrow batches share the threads): set
+        before the batcher starts, once the split is chosen (service/engine.py)."""
+        self._narrow_threads = max(1, self._threads // workers)  # a batch's share beside other workers' batches
 
     def set_wide(self, wide: bool) -> None:
         """On the thread about to run a batch: all the intra-op threads (it runs alone) or one worker's

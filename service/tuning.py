@@ -1,5 +1,6 @@
 """Choices made from a measurement at warm-up, on the machine the service runs on: the precision
-(`precision=auto` on CPU) and the batch token budget (`max_batch_tokens=0`).
+(`precision=auto` on CPU), the CPU worker split (`model_workers=0`) and the batch token budget
+(`max_batch_tokens=0`).
 
 Neither can come from a table: bf16 is ~4x fp32 on a CPU with avx512_bf16 and 4-5x slower on an
 AVX2-only one, and the batch where throughput stops growing differs between machines and models. So
@@ -10,13 +11,21 @@ is its fastest round, the one least disturbed by the machine's other work.
 A reduced precision is served only if, on the same batch, it agrees with fp32 within the bounds the
 tests hold (`PRECISION_BOUNDS`) and is at least `MIN_SPEEDUP` times as fast: an accuracy cost is
 not taken for a gain within the noise.
+
+The worker split and the budget are measured together, as the service runs under load: for each
+candidate split (1 worker with every thread, and the default, 2 workers with half each), every
+worker runs the same batch at once; a split's throughput is the tokens of all its workers over the
+wall time. The split served is the default unless another one's best throughput beats the default's
+by `WORKERS_GAIN`; the budget is then chosen on the served split's curve (`choose_batch_tokens`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +47,11 @@ PRECISION_BOUNDS: dict[str, Bound] = {
     "bf16": Bound(min_cosine=0.9995, max_hidden_error=RELATIVE_ERROR_BOUND["bfloat16"]),
     "fp16": Bound(min_cosine=0.99999, max_hidden_error=RELATIVE_ERROR_BOUND["float16"]),
 }
+K = TypeVar("K")  # what fastest_times' runs are named by
+
 MIN_SPEEDUP = 1.1  # a reduced precision must beat fp32 by this factor to be served
 BATCH_GAIN = 1.1  # a larger batch must raise throughput by this factor to be worth its latency
+WORKERS_GAIN = 1.1  # a worker split other than the default must beat its best throughput by this factor
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,13 @@ class BatchChoice:
     curve: dict[int, float]  # batch tokens -> tokens/s; empty when not measured
 
 
+@dataclass(frozen=True)
+class WorkersChoice:
+    workers: int
+    reason: str
+    curves: dict[int, dict[int, float]]  # workers -> batch tokens -> tokens/s (all side by side); empty: not measured
+
+
 def agreement(got: torch.Tensor, want: torch.Tensor, lengths: torch.Tensor) -> Agreement:
     """got, want: (B, T, D) hidden states (any dtype); lengths (B,): real tokens per row."""
     got, want = got.float(), want.float()
@@ -80,8 +99,8 @@ def agreement(got: torch.Tensor, want: torch.Tensor, lengths: torch.Tensor) -> A
     return Agreement(cosine, error, finite)
 
 
-def fastest_times(runs: Mapping[str, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
-                  min_rounds: int = 2) -> dict[str, float]:
+def fastest_times(runs: Mapping[K, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
+                  min_rounds: int = 2) -> dict[K, float]:
     """Seconds of each run's fastest call: `rounds` interleaved rounds (each run once per round, the
     order alternating), fewer once `budget_s` is spent (never fewer than `min_rounds`)."""
     best = dict.fromkeys(runs, float("inf"))
@@ -131,9 +150,10 @@ def choose_batch_tokens(curve: Mapping[int, float], gain: float = BATCH_GAIN) ->
     return min(tokens for tokens, rate in curve.items() if rate * gain >= best)
 
 
-def batch_reason(curve: Mapping[int, float], chosen: int, seq_len: int, threads: int) -> str:
+def batch_reason(curve: Mapping[int, float], chosen: int, seq_len: int, threads: int, workers: int = 1) -> str:
     points = ", ".join(f"{tokens}: {rate:.0f}" for tokens, rate in sorted(curve.items()))
-    return (f"measured at warm-up, rows of {seq_len}+ tokens on {threads} thread(s), tokens/s by batch tokens "
+    return (f"measured at warm-up, rows of {seq_len}+ tokens, {workers} worker(s) side by side on {threads} "
+            f"thread(s) each, tokens/s by batch tokens "
             f"({points}): {chosen} is the smallest within {BATCH_GAIN}x of the best")
 
 
@@ -149,3 +169,52 @@ def batch_shapes(max_length: int, max_batch_size: int, sizes: Sequence[int]) -> 
         if shape not in shapes:
             shapes.append(shape)
     return shapes
+
+
+def measure_splits(run: Callable[[int, int, int], object], splits: Sequence[int],
+                   shapes: Sequence[tuple[int, int]], *, rounds: int = 3, budget_s: float = 4.0,
+                   min_rounds: int = 2) -> dict[int, dict[int, float]]:
+    """Tokens/s of each worker split at each batch shape: `run(workers, rows, seq)` returns once
+    `workers` model threads have each run one batch of `rows` x `seq` tokens side by side. First the
+    smallest shape on every split twice, outside the budget (TorchScript profiles and optimises on a
+    graph's first calls, seconds on a busy machine); then every (split, shape) once, ascending,
+    dropping the larger shapes once a call takes longer than a quarter of `budget_s` or half of it is
+    spent; then interleaved rounds (fastest_times) in what is left. Returns {workers: {batch tokens:
+    tokens/s}}."""
+    for _ in range(2):
+        for workers in splits:
+            run(workers, *shapes[0])
+    started = time.perf_counter()
+    kept: list[tuple[int, int]] = []
+    for rows, seq in shapes:
+        slowest = 0.0
+        for workers in splits:
+            t0 = time.perf_counter()
+            run(workers, rows, seq)
+            slowest = max(slowest, time.perf_counter() - t0)
+        kept.append((rows, seq))
+        if slowest > budget_s / 4 or time.perf_counter() - started > budget_s / 2:
+            break
+    runs = {(workers, rows, seq): functools.partial(run, workers, rows, seq) for workers in splits
+            for rows, seq in kept}
+    left = max(0.0, budget_s - (time.perf_counter() - started))
+    seconds = fastest_times(runs, rounds=rounds, budget_s=left, min_rounds=min_rounds)
+    return {workers: {rows * seq: workers * rows * seq / seconds[(workers, rows, seq)] for rows, seq in kept}
+            for workers in splits}
+
+
+def choose_workers(curves: Mapping[int, Mapping[int, float]], default: int, gain: float = WORKERS_GAIN) -> int:
+    """The default split unless another one's best tokens/s beats the default's best by `gain` (then the
+    fastest such). curves: workers -> batch tokens -> tokens/s, measured side by side."""
+    base = max(curves[default].values())
+    better = [workers for workers, curve in curves.items() if workers != default and max(curve.values()) >= base * gain]
+    return max(better, key=lambda workers: max(curves[workers].values())) if better else default
+
+
+def workers_reason(curves: Mapping[int, Mapping[int, float]], chosen: int, default: int, threads: int) -> str:
+    bests = ", ".join(f"{workers} x {max(1, threads // workers)} thread(s) {max(curve.values()):.0f}"
+                      for workers, curve in sorted(curves.items()))
+    why = "the default" if chosen == default else f"beats the default ({default}) by {WORKERS_GAIN}x or more"
+    if chosen == default and len(curves) > 1:
+        why += f", no other split beats it by {WORKERS_GAIN}x"
+    return f"measured at warm-up, side by side, best tokens/s by workers ({bests}): {chosen}, {why}"

@@ -4,7 +4,9 @@ batcher's loops. Nothing else runs a forward, and the event loop never does.
 Thread 0 is the lead: the model is loaded and warmed up on it, and it runs every wide batch after
 that, so setup and those batches share one OpenMP team (a second team slowed a lone forward: libgomp
 stops spinning once its threads outnumber the cores; bench/RESULTS.md). The
-other threads (`workers` > 1, for CPUs) only ever run narrow, single-threaded forwards.
+other threads (`workers` > 1, for CPUs) only ever run narrow forwards (each a share of the threads).
+At warm-up they may also run the measurement of the worker split (service/tuning.py); if fewer
+workers are chosen, `shrink` ends the others before the batcher starts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ModelThreads:
                              name=name if workers == 1 else f"{name}-{i}")
             for i, inbox in enumerate(self._inboxes)
         ]
+        self._ended: list[threading.Thread] = []  # shrunk away: they end on their own
         self._started = self._closed = False
 
     def __len__(self) -> int:
@@ -64,6 +67,16 @@ class ModelThreads:
         """Run `fn` on the lead thread and return what it returns (or raise what it raises)."""
         return await asyncio.wrap_future(self.submit(0, fn))
 
+    def shrink(self, workers: int) -> None:
+        """Keep the first `workers` threads; the others end once they have run what they were handed.
+        Before the batcher starts (it runs one loop per thread)."""
+        if not 1 <= workers <= len(self._threads):
+            raise ValueError(f"workers must be 1..{len(self._threads)}; got {workers}")
+        for inbox in self._inboxes[workers:]:
+            inbox.put(_STOP)
+        self._ended = [*self._ended, *self._threads[workers:]]
+        del self._inboxes[workers:], self._threads[workers:]
+
     def close(self) -> None:
         """Let each thread end once it has run what it was handed (a thread stuck in a forward stays,
         a daemon, until that forward returns)."""
@@ -74,7 +87,7 @@ class ModelThreads:
     @property
     def alive(self) -> bool:
         """Whether any thread still runs."""
-        return any(thread.is_alive() for thread in self._threads)
+        return any(thread.is_alive() for thread in (*self._threads, *self._ended))
 
     @staticmethod
     def _serve(inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:

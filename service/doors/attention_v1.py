@@ -234,7 +234,9 @@ class AttentionServicer:
             attention_scale=spec.attention_scale, standard_scale=spec.standard_scale, relative_bias=spec.relative_bias,
             precision_reason=spec.precision_reason, precision_forward_ms=spec.precision_forward_ms,
             batch_budget=pb.BatchBudget(max_batch_tokens=spec.max_batch_tokens, reason=spec.batch_reason,
-                                        tokens_per_second=spec.batch_curve),
+                                        tokens_per_second=spec.batch_curve, model_workers=spec.model_workers,
+                                        workers_reason=spec.workers_reason, compared_workers=spec.compared_workers,
+                                        compared_tokens_per_second=spec.compared_curve),
             quantization_ranges=_ranges(spec.quantization_ranges),
             tasks=spec.tasks, labels=spec.labels,
             limits=pb.Limits(

@@ -297,7 +297,7 @@ class KServeServicer:
                 default_queue_policy=mc.ModelQueuePolicy(
                     max_queue_size=c.max_queue_requests, default_timeout_microseconds=int(c.default_timeout_s * 1e6),
                     allow_timeout_override=True)),
-            instance_group=[mc.ModelInstanceGroup(kind=kind, count=self._workers)],
+            instance_group=[mc.ModelInstanceGroup(kind=kind, count=spec.model_workers or self._workers)],
             parameters={key: mc.ModelParameter(string_value=str(value)) for key, value in described.items()},
         )
         return v2.ModelConfigResponse(config=config)

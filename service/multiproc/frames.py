@@ -219,7 +219,8 @@ def read_hello(body: memoryview) -> tuple[ModelSpec, int, str]:
         tokenizer = TextTokenizer(bytes(body[4 + length:]), TextSettings(**data["text"]),
                                   source="the model process's tokenizer")
     spec = data["spec"]
-    spec["batch_curve"] = {int(tokens): rate for tokens, rate in spec.get("batch_curve", {}).items()}  # JSON keys
+    for key in ("batch_curve", "compared_curve"):  # JSON keys are strings
+        spec[key] = {int(tokens): rate for tokens, rate in spec.get(key, {}).items()}
     if spec.get("quantization_ranges") is not None:  # JSON made the tuples lists
         spec["quantization_ranges"] = tuple(tuple(values) for values in spec["quantization_ranges"])
     for key in ("tasks", "labels"):  # JSON lists

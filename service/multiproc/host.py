@@ -222,7 +222,6 @@ class ModelHost:
         self.hooks = FaultHooks.from_config(config)
         self.engine = Engine(config, self.metrics, self.hooks)
         self.threads = self.engine.threads
-        self.workers = self.engine.workers
         self.slots = [EdgeSlot(i) for i in range(config.edge_processes)]
         self.batcher: Batcher[Job] | None = None
         self.spec: ModelSpec | None = None
@@ -298,7 +297,7 @@ class ModelHost:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self.batcher is not None and self.spec is not None
         batcher = self.batcher
-        writer.write(frames.hello(self.spec, self.workers, self.config.auth_tokens))
+        writer.write(frames.hello(self.spec, self.engine.workers, self.config.auth_tokens))
         calls: dict[int, list[Item[Job]]] = {}
         slot: EdgeSlot | None = None
         try:

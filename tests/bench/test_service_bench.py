@@ -78,9 +78,13 @@ def test_the_table_sets_the_service_against_the_naive_server_of_the_same_round()
     for round_, (service, naive, bar) in enumerate([(100, 80, 125), (90, 60, 100), (120, 100, 150)]):
         results += [_run("service", 64, round_, service, 50, bar), _run("naive", 64, round_, naive, 60, bar)]
     results += [_run("naive", 1, 0, 100, 10.0, 5.0), _run("service", 1, 0, 125, 8.0, 5.0)]
+    served = [{"precision": "fp32", "batching": True, "model_workers": 1, "workers_reason": "measured at warm-up ...",
+               "max_batch_tokens": 512, "batch_reason": "configured"}]
     meta = {"date": "d", "machine": "m", "torch": "t", "threads": 2, "workers": 2, "calls": "unary Encode",
-            "command": "c", "load_start": (1.0, 2.0, 3.0), "load_end": None}
+            "command": "c", "load_start": (1.0, 2.0, 3.0), "load_end": None, "served": served}
     table = markdown(meta, [], results)
+    assert ("the service as it chose at warm-up: fp32 batching on: 1 model workers (measured), max_batch_tokens 512 "
+            "(configured); the ceiling tried 1 and 2 workers;") in table.splitlines()[0]
     rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| fp32 | 128 | ")}
     assert rows["64"] == ("| fp32 | 128 | 64 | 100.0 (100.0, 90.0, 120.0) | 80.0 (80.0, 60.0, 100.0) | "
                           "125.0 (125.0, 100.0, 150.0) | 0.80 (0.80, 0.90, 0.80) | 1.25 (1.25, 1.50, 1.20) |")

@@ -35,6 +35,7 @@ PINNED = {
     "attention_model_info": ("gauge", {"name", "version", "device", "precision", "precision_source"}),
     "attention_warmup_forward_seconds": ("gauge", {"precision"}),
     "attention_batch_tokens_limit": ("gauge", {"source"}),
+    "attention_model_workers": ("gauge", {"source"}),
     "attention_warmup_tokens_per_second": ("gauge", {"batch_tokens"}),
     "attention_requests_total": ("counter", {"method", "code"}),
     "attention_sequences_total": ("counter", set()),

@@ -23,6 +23,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import SERVICE_NAME, to_tensor
 from service.config import ServiceConfig
+from service.device import default_threads, default_workers
 from service.server import Server
 
 
@@ -44,9 +45,13 @@ class Running:
 
 def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
     """The tests' server config. The device is pinned to cpu (fp32), so the suite compares the same things on
-    a machine with a GPU; CUDA is what tests/gpu/test_gpu.py asks for by overriding it."""
-    base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, model=str(bundle), device="cpu",
-                         precision="fp32", max_batch_tokens=2048, drain_grace_s=2.0)
+    a machine with a GPU; CUDA is what tests/gpu/test_gpu.py asks for by overriding it. The model workers are
+    the device's default, configured, so a test's split is not a warm-up measurement's choice (a test asks
+    for model_workers=0 to measure it)."""
+    device, threads = str(overrides.get("device", "cpu")), int(overrides.get("torch_threads") or default_threads())
+    base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, model=str(bundle), device=device,
+                         precision="fp32", max_batch_tokens=2048, drain_grace_s=2.0,
+                         model_workers=default_workers(device, threads))
     return dataclasses.replace(base, **overrides)
 
 

@@ -19,12 +19,14 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto.attention.v1.codec import SERVICE_NAME
+from service.device import default_threads, default_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 LEDGER_LINE = "stopped; ledger "
 DRAIN_LINE = ": draining for up to "  # service/server.py drain_on_signal, in both modes
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"  # logging's asctime, which service/__main__.py's format starts with
-PINNED = ("--precision", "fp32", "--max-batch-tokens", "1024")
+PINNED = ("--precision", "fp32", "--max-batch-tokens", "1024",
+          "--model-workers", str(default_workers("auto", default_threads())))
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -32,8 +34,9 @@ class ServerProcess:
     """`flags` come after the defaults, so they win (`--metrics-port -1` turns the metrics port off).
     `prelude` (Python) runs in the server process before the service starts, and `source` is the tree
     it runs from (bench.ab compares two trees). `pinned` (the default) fixes what the service would
-    otherwise measure at warm-up, precision (fp32) and max_batch_tokens (1024, the CPU default without
-    warm-up), so two processes of a test serve alike; bench.ab passes False to run the real defaults."""
+    otherwise measure at warm-up, precision (fp32), max_batch_tokens (1024, the CPU default without
+    warm-up) and model_workers (the device's default), so two processes of a test serve alike; bench.ab
+    passes False to run the real defaults."""
 
     def __init__(self, bundle: Path, *flags: str, directory: Path | None = None, env: dict[str, str] | None = None,
                  timeout: float = 120.0, prelude: str = "", source: Path = ROOT, pinned: bool = True) -> None:

@@ -337,8 +337,15 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchBudget(_message.Message):
-    __slots__ = ("max_batch_tokens", "reason", "tokens_per_second")
+    __slots__ = ("max_batch_tokens", "reason", "tokens_per_second", "model_workers", "workers_reason", "compared_workers", "compared_tokens_per_second")
     class TokensPerSecondEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class ComparedTokensPerSecondEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -348,10 +355,18 @@ class BatchBudget(_message.Message):
     MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_REASON_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     max_batch_tokens: int
     reason: str
     tokens_per_second: _containers.ScalarMap[int, float]
-    def __init__(self, max_batch_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., tokens_per_second: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    model_workers: int
+    workers_reason: str
+    compared_workers: int
+    compared_tokens_per_second: _containers.ScalarMap[int, float]
+    def __init__(self, max_batch_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., tokens_per_second: _Optional[_Mapping[int, float]] = ..., model_workers: _Optional[int] = ..., workers_reason: _Optional[str] = ..., compared_workers: _Optional[int] = ..., compared_tokens_per_second: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("texts", "prompt_name", "truncate")
