@@ -172,7 +172,8 @@ def format_info(info: ModelInfo) -> str:
             ("precision", info.precision), ("precision_reason", info.precision_reason or "-"), ("device", info.device)]
     if info.batch_budget is not None:
         budget = info.batch_budget
-        rows += [("batch.max_batch_tokens", budget.max_batch_tokens), ("batch.reason", budget.reason)]
+        rows += [("batch.max_batch_tokens", budget.max_batch_tokens), ("batch.reason", budget.reason),
+                 ("batch.model_workers", budget.model_workers), ("batch.workers_reason", budget.workers_reason or "-")]
     rows += [(f"limits.{k}", v) for k, v in asdict(info.limits).items()]
     rows += [(f"text.{k}", v) for k, v in asdict(info.text).items()] if info.text else [("text", "not accepted")]
     rows += [("tasks", ", ".join(info.tasks))] + ([("labels", ", ".join(info.labels))] if info.labels else [])

@@ -309,10 +309,13 @@ class BatchBudget:
     max_batch_tokens: int
     reason: str  # "configured", a device default, or the curve measured at warm-up and the choice
     tokens_per_second: dict[int, float] = field(default_factory=dict)  # the warm-up curve; empty: not measured
+    model_workers: int = 0  # CPU batches run side by side; 0: a server that does not say
+    workers_reason: str = ""  # "configured", a device default, or the splits measured at warm-up
 
     @classmethod
     def from_proto(cls, m: pb.BatchBudget) -> BatchBudget:
-        return cls(int(m.max_batch_tokens), m.reason, {int(k): float(v) for k, v in m.tokens_per_second.items()})
+        return cls(int(m.max_batch_tokens), m.reason, {int(k): float(v) for k, v in m.tokens_per_second.items()},
+                   int(m.model_workers), m.workers_reason)
 
 
 @dataclass(frozen=True)

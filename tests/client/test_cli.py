@@ -117,6 +117,7 @@ def test_info(service: ServerProcess, capsys):
     # The test server pins precision (tests/support/server_process.py PINNED) and sets the budget itself.
     assert (fields["precision_reason"], fields["batch.max_batch_tokens"], fields["batch.reason"]) == (
         "configured", "2048", "configured")
+    assert (fields["batch.model_workers"], fields["batch.workers_reason"]) == ("2", "configured")
     code, out, _ = run_cli(capsys, "info", "--target", service.target, "--json")
     assert code == 0 and json.loads(out)["limits"]["max_attention_bytes"] > 0
 
