@@ -107,3 +107,4 @@ def xlmr_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
 
 
 from tests.support.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401
+from tests.support.aoti_helpers import aoti_bundle  # noqa: E402, F401
