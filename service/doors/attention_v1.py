@@ -236,7 +236,7 @@ class AttentionServicer:
             batch_budget=pb.BatchBudget(max_batch_tokens=spec.max_batch_tokens, reason=spec.batch_reason,
                                         tokens_per_second=spec.batch_curve),
             quantization_ranges=_ranges(spec.quantization_ranges),
-            tasks=spec.tasks, labels=spec.labels,
+            tasks=spec.tasks, labels=spec.labels, backend=spec.backend,
             limits=pb.Limits(
                 max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
