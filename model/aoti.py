@@ -51,6 +51,7 @@ from model.bundle import (
 )
 from model.encoder import Encoder
 
+INDUCTOR_CONFIGS: dict[str, Any] = {}  # what compile_aoti passes AOTInductor (docs/performance.md)
 DEFAULT_MAX_BATCH_SIZE = 64  # service/config.py's max_batch_size default
 _FP32_ATOL = 1e-5
 
@@ -121,7 +122,8 @@ def eager_encoder(directory: Path, manifest: Manifest) -> Encoder:
 
 
 def compile_aoti(directory: str | os.PathLike[str], *, dtype: str = "float32", device: str = "cpu",
-                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> Manifest:
+                 max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                 inductor_configs: dict[str, Any] | None = None) -> Manifest:
     """Export the bundle's encoder with dynamic batch (1..max_batch_size), length (1..max_length) and token count,
     compile it with AOTInductor into DIR/model.pt2, check it against model.pt, and record it in the manifest
     (replacing an earlier model.pt2). Returns the new manifest."""
@@ -148,7 +150,8 @@ def compile_aoti(directory: str | os.PathLike[str], *, dtype: str = "float32", d
             exported = torch.export.export(wrapper, (ids, lengths, tokens, grid), dynamic_shapes=shapes)
             from torch._inductor import aoti_compile_and_package
 
-            aoti_compile_and_package(exported, package_path=str(tmp))
+            aoti_compile_and_package(exported, package_path=str(tmp),
+                                     inductor_configs={**INDUCTOR_CONFIGS, **(inductor_configs or {})})
     except BundleError:
         raise
     except Exception as e:  # export or compile failed: say which model and why, keep the bundle as it was

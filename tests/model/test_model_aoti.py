@@ -4,8 +4,8 @@ other than the export's, and the refusals of a corrupt file, another torch, anot
 from __future__ import annotations
 
 import dataclasses
-import re
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -13,8 +13,16 @@ import pytest
 import torch
 
 from model.__main__ import main
-from model.bundle import AOTI_FILE, MANIFEST_FILE, BundleError, file_sha256, load_bundle, load_compiled, read_manifest, \
-    save_bundle
+from model.bundle import (
+    AOTI_FILE,
+    MANIFEST_FILE,
+    BundleError,
+    file_sha256,
+    load_bundle,
+    load_compiled,
+    read_manifest,
+    save_bundle,
+)
 from model.encoder import Encoder
 from tests.support.aoti_helpers import AOTI_CONFIG, AOTI_MAX_BATCH
 
@@ -85,7 +93,8 @@ def test_corrupt_artefact_fails_its_checksum(aoti_bundle: Path, tmp_path: Path) 
 def test_another_torch_version_is_refused(aoti_bundle: Path, tmp_path: Path) -> None:
     bundle = _copy(aoti_bundle, tmp_path)
     _edit_aoti(bundle, torch="2.0.0+cpu")
-    with pytest.raises(BundleError, match=rf"compiled by torch 2\.0\.0\+cpu, this is torch {re.escape(torch.__version__)}.*"
+    this = re.escape(torch.__version__)
+    with pytest.raises(BundleError, match=rf"compiled by torch 2\.0\.0\+cpu, this is torch {this}.*"
                                           r"recompile it with `python -m model compile-aoti"):
         load_compiled(bundle, read_manifest(bundle))
 
