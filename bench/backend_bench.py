@@ -1,6 +1,6 @@
 """In-process ceiling of the compiled backend (AOTInductor, model.pt2) against the TorchScript module (model.pt).
 
-    python -m bench.backend_bench [--bundle DIR] [--threads 2] [--rounds 7] [--max-batch-size 64]
+    python -m bench.backend_bench [--bundle DIR] [--threads 2] [--rounds 7] [--max-batch-size 64] [--device cpu]
 
 Without --bundle it builds the default bundle (model/default.py, REFERENCE, seed 0) in a temporary directory and
 compiles its model.pt2 (python -m model compile-aoti); a --bundle without manifest.aoti is compiled in place.
@@ -8,6 +8,8 @@ Cases: B = 1, 4, 8 rows of T = 128 tokens (no padding) and a mixed set (32 seque
 sorted by length, in batches of 8: padded). Each round times every case once on each backend, the order
 alternating between rounds (A then B, then B then A); a case's time is the median over rounds. fp32, the
 serving call (ids in, no attention weights, every layer). Prints a markdown table and the B/A ratios.
+--device cuda (not run yet: no GPU here) compiles a CUDA model.pt2 on the spot (a --bundle must not hold a CPU one)
+and times each case to a torch.cuda.synchronize().
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ def cases(vocab: int, max_length: int) -> dict[str, list[Batch]]:
     return out
 
 
-def run(bundle: Path, threads: int, rounds: int) -> list[tuple[str, float, float]]:
+def run(bundle: Path, threads: int, rounds: int, device: str = "cpu") -> list[tuple[str, float, float]]:
     torch.set_num_threads(threads)
-    scripted = load_bundle(bundle).module
-    compiled = load_compiled(bundle, read_manifest(bundle), reference=scripted)
+    scripted = load_bundle(bundle, device=device).module
+    compiled = load_compiled(bundle, read_manifest(bundle), device=device, reference=scripted)
     cfg = read_manifest(bundle).config
 
     def ts(ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -58,9 +60,14 @@ def run(bundle: Path, threads: int, rounds: int) -> list[tuple[str, float, float
             out: torch.Tensor = scripted(ids, None, lengths, False, [])[0]
         return out
 
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     backends: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"torchscript": ts,
                                                                                  "aoti": compiled}
-    table = cases(max(1, cfg.vocab_size - cfg.vocab_size // 10), cfg.max_length)
+    table = {case: [(ids.to(device), lengths) for ids, lengths in batches]  # lengths stay on the host
+             for case, batches in cases(max(1, cfg.vocab_size - cfg.vocab_size // 10), cfg.max_length).items()}
     times: dict[tuple[str, str], list[float]] = {(c, b): [] for c in table for b in backends}
     for _ in range(2):  # warm: TorchScript profiles and specialises on its first calls
         for batches in table.values():
@@ -75,6 +82,7 @@ def run(bundle: Path, threads: int, rounds: int) -> list[tuple[str, float, float
                 started = time.perf_counter()
                 for ids, lengths in batches:
                     fn(ids, lengths)
+                sync()
                 times[(case, name)].append(time.perf_counter() - started)
     return [(case, statistics.median(times[(case, "torchscript")]) * 1e3,
              statistics.median(times[(case, "aoti")]) * 1e3) for case in table]
@@ -86,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default: 2)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default: 7)")
     parser.add_argument("--max-batch-size", type=int, default=64, help="compile for batches up to this (default: 64)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device (default: cpu)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         bundle = args.bundle
@@ -94,11 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             build_default_bundle(bundle)
         if read_manifest(bundle).aoti is None:
             started = time.perf_counter()
-            compile_aoti(bundle, max_batch_size=args.max_batch_size)
+            compile_aoti(bundle, max_batch_size=args.max_batch_size, device=args.device)
             print(f"compiled {bundle}/model.pt2 in {time.perf_counter() - started:.0f} s", file=sys.stderr)
-        rows = run(bundle, args.threads, args.rounds)
+        rows = run(bundle, args.threads, args.rounds, args.device)
     print(f"load average {' / '.join(f'{x:.2f}' for x in os.getloadavg())}, {args.threads} thread(s), "
-          f"{args.rounds} rounds, torch {torch.__version__}")
+          f"{args.rounds} rounds, {args.device}, torch {torch.__version__}")
     print("| case | TorchScript ms | AOTI ms | AOTI / TorchScript |")
     print("|---|---:|---:|---:|")
     for case, a, b in rows:

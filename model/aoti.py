@@ -51,7 +51,11 @@ from model.bundle import (
 )
 from model.encoder import Encoder
 
-INDUCTOR_CONFIGS: dict[str, Any] = {}  # what compile_aoti passes AOTInductor (docs/performance.md)
+# What compile_aoti passes AOTInductor (docs/performance.md): freezing folds the weights into the graph as constants
+# (as torch.jit.freeze does for model.pt) so the CPU GEMMs can use prepacked weights; dynamic_threads makes the
+# kernels read the thread count at run time (torch.set_num_threads, which the runner sets per batch) rather than
+# keep the compiling process's.
+INDUCTOR_CONFIGS: dict[str, Any] = {"freezing": True, "cpp.dynamic_threads": True}
 DEFAULT_MAX_BATCH_SIZE = 64  # service/config.py's max_batch_size default
 _FP32_ATOL = 1e-5
 

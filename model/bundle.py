@@ -760,11 +760,12 @@ class CompiledForward:
 
 
 def load_compiled(directory: str | os.PathLike[str], manifest: Manifest, *, device: str | torch.device = "cpu",
-                  dtype: torch.dtype | str = "float32", reference: Any = None) -> CompiledForward:
+                  dtype: torch.dtype | str = "float32", reference: Any = None, runners: int = 1) -> CompiledForward:
     """Load manifest.aoti's package after checking it: the file's sha256, the torch version, the device type and the
     dtype it was compiled for. With `reference` (the bundle's loaded TorchScript module, in `dtype`), a probe batch
     must agree with it on real positions (fp32: 1e-5; reduced precision: RELATIVE_ERROR_BOUND). BundleError naming
-    what does not match."""
+    what does not match. `runners`: model instances, so that many threads can run it at once (one: they take
+    turns)."""
     directory = Path(directory)
     artefact = manifest.aoti
     if artefact is None:
@@ -788,9 +789,10 @@ def load_compiled(directory: str | os.PathLike[str], manifest: Manifest, *, devi
         raise BundleError(f"{path} failed its checksum: manifest aoti.sha256 {artefact.sha256}, file sha256 {actual}; "
                           "the file is corrupt or was replaced")
     try:
-        from torch._inductor import aoti_load_package
+        from torch._inductor.package import load_package
 
-        runner = aoti_load_package(str(path), device_index=device.index if device.index is not None else -1)
+        runner = load_package(str(path), num_runners=max(1, runners),
+                              device_index=device.index if device.index is not None else -1)
     except Exception as e:  # noqa: BLE001 - a package torch cannot open, whatever it raises
         raise BundleError(f"{path} could not be loaded as an AOTInductor package: {type(e).__name__}: {e}") from e
     compiled = CompiledForward(runner, artefact, device)

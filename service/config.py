@@ -57,7 +57,8 @@ class ServiceConfig:
                                   "that agrees with fp32, docs/performance.md)")
     backend: str = _opt("auto", "auto | torchscript | aoti: what runs the serving forward; aoti needs the bundle's "
                                 "model.pt2 (python -m model compile-aoti) for this torch, device and precision, "
-                                "else start-up fails; auto = torchscript (measured faster on cpu: docs/performance.md)")
+                                "else start-up fails; auto = aoti on cpu where the bundle has a usable model.pt2 "
+                                "(measured faster, docs/performance.md), else torchscript")
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
     torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = one per core)")
     model_workers: int = _opt(0, "CPU batches computed side by side, each with an equal share of torch_threads; "

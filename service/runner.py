@@ -68,6 +68,7 @@ class Runner:
     def __init__(self, config: ServiceConfig, bundle_dir: str, observer: RunnerObserver, workers: int = 1) -> None:
         self._config = config
         self._threads = config.torch_threads or default_threads()
+        self._workers = workers
         self._narrow_threads = max(1, self._threads // workers)  # a batch's share beside other workers' batches
         self._bundle_dir = bundle_dir
         self._observer = observer
@@ -132,26 +133,32 @@ class Runner:
         return self.spec
 
     def _load_backend(self, bundle: LoadedBundle) -> tuple[CompiledForward | None, str, str]:
-        """(the compiled forward or None, the backend's name, why). `aoti` loads the bundle's model.pt2 with its
-        checks (model/bundle.py load_compiled: sha256, torch version, device, dtype, a probe against model.pt):
-        any failure stops the start-up. `auto` serves TorchScript: AOTInductor did not win on CPU where measured
-        (docs/performance.md, bench/backend_bench.py), and nothing measured it on a GPU yet."""
-        backend = self._config.backend
+        """(the compiled forward or None, the backend's name, why). The compiled model.pt2 is loaded with its checks
+        (model/bundle.py load_compiled: sha256, torch version, device, dtype, a probe against model.pt). `aoti`:
+        any failure stops the start-up. `auto`: the compiled backend on CPU where the bundle has a model.pt2 that
+        passes them (it was faster than TorchScript where measured, docs/performance.md), else TorchScript, the
+        reason logged; on CUDA TorchScript (not measured there yet)."""
+        backend, artefact = self._config.backend, bundle.manifest.aoti
         if backend == "torchscript":
             return None, "torchscript", "configured"
         if backend == "auto":
-            has = bundle.manifest.aoti is not None
-            return None, "torchscript", ("auto: TorchScript, measured at least as fast as the compiled model.pt2 on "
-                                         "cpu and not measured on a GPU (docs/performance.md)"
-                                         + ("; the bundle's model.pt2 is not used" if has else ""))
+            if artefact is None:
+                return None, "torchscript", "auto: the bundle has no compiled model.pt2 (python -m model compile-aoti)"
+            if self._cuda:
+                return None, "torchscript", "auto: the compiled backend is not measured on cuda yet; model.pt2 unused"
         try:
             compiled = load_compiled(self._bundle_dir, bundle.manifest, device=self.device,
-                                     dtype=DTYPES[self.precision], reference=bundle.module)
+                                     dtype=DTYPES[self.precision], reference=bundle.module, runners=self._workers)
         except BundleError as e:
-            raise BundleError(f"backend aoti: {e}") from None
-        return compiled, "aoti", (f"configured: {bundle.manifest.aoti and bundle.manifest.aoti.file} for batches of up "
-                                  f"to {compiled.max_batch_size} token-id sequences without attention weights or "
-                                  "causal mask; other calls run on model.pt")
+            if backend == "aoti":
+                raise BundleError(f"backend aoti: {e}") from None
+            log.warning("backend auto: the bundle's compiled model.pt2 is not usable here, serving TorchScript: %s", e)
+            return None, "torchscript", f"auto: model.pt2 refused ({e})"
+        covered = (f"model.pt2 for batches of up to {compiled.max_batch_size} token-id sequences without attention "
+                   "weights or causal mask; other calls run on model.pt")
+        if backend == "auto":
+            return compiled, "aoti", f"auto: on cpu the compiled backend where the bundle has one: {covered}"
+        return compiled, "aoti", f"configured: {covered}"
 
     def _measure_precision(self, candidates: Sequence[str] = ("bf16", "fp16")) -> tuple[LoadedBundle, Any,
                                                                                           PrecisionChoice]:

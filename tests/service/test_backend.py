@@ -54,10 +54,17 @@ async def test_aoti_answers_as_torchscript(start_server: Any, aoti_bundle: Path)
         np.testing.assert_array_equal(from_tensor(a.hidden), from_tensor(b.hidden))
 
 
-async def test_auto_serves_torchscript(start_server: Any, aoti_bundle: Path) -> None:
-    served = await start_server(bundle=aoti_bundle, backend="auto")
+@pytest.mark.parametrize(("which", "overrides", "backend"), [
+    ("aoti", {}, "aoti"),  # cpu, fp32, a model.pt2 that passes its checks
+    ("aoti", {"precision": "bf16"}, "torchscript"),  # compiled for fp32: refused, and auto falls back
+    ("tiny", {}, "torchscript"),  # no model.pt2
+])
+async def test_auto_serves_the_compiled_backend_where_it_can(start_server: Any, aoti_bundle: Path, tiny_bundle: Path,
+                                                             which: str, overrides: dict[str, Any],
+                                                             backend: str) -> None:
+    served = await start_server(bundle=aoti_bundle if which == "aoti" else tiny_bundle, backend="auto", **overrides)
     info = await served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
-    assert info.backend == "torchscript"
+    assert info.backend == backend
 
 
 async def test_aoti_without_the_artefact_fails_start_up(start_server: Any, tiny_bundle: Path) -> None:
