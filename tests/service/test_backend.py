@@ -10,9 +10,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
 
-from model.bundle import BundleError
+from model.bundle import BundleError, load_bundle
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import from_tensor
 from service.config import ServiceConfig
 from service.jobs import POOL_MEAN, Job
@@ -21,6 +23,7 @@ from tests.service.test_pipeline import Observed
 from tests.support import helpers
 from tests.support.aoti_helpers import AOTI_CONFIG, AOTI_MAX_BATCH
 from tests.support.helpers import ids_request
+from tests.support.server_process import ServerProcess
 
 LENGTHS = (32, 17, 5, 1, 29, 9)  # one call: batched together, padded
 
@@ -106,3 +109,24 @@ def test_runner_sends_only_the_covered_calls_to_the_compiled_graph(aoti_bundle: 
 def test_backend_is_validated() -> None:
     with pytest.raises(ValueError, match="backend"):
         ServiceConfig(backend="onnx")
+
+
+@pytest.mark.slow
+async def test_a_real_process_with_edges_serves_and_reports_the_compiled_backend(aoti_bundle: Path,
+                                                                                  tmp_path: Path) -> None:
+    # `python -m service --backend aoti` behind an edge process: the backend travels in the model process's HELLO.
+    server = ServerProcess(aoti_bundle, "--backend", "aoti", "--edge-processes", "1", "--precision", "fp32",
+                           directory=tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            response = await stub.Encode(ids_request(*_sequences()), timeout=30)
+    finally:
+        server.stop()
+    assert info.backend == "aoti"
+    want = load_bundle(aoti_bundle).module
+    for seq, out in zip(_sequences(), response.outputs, strict=True):
+        with torch.inference_mode():
+            hidden, _ = want(torch.from_numpy(seq)[None], None, torch.tensor([len(seq)]), False, [])
+        np.testing.assert_allclose(from_tensor(out.hidden), hidden[0].numpy(), rtol=0, atol=1e-5)
