@@ -6,6 +6,7 @@
                           [--reference module.py:factory [--atol 1e-5]]   # checked before it is kept
   python -m model check DIR --reference module.py:factory [--atol 1e-5]   # exit 1 over the tolerance
   python -m model convert-hf --model-dir HF_DIR --out DIR [--name N --version V]
+  python -m model compile-aoti DIR [--dtype float32] [--device cpu] [--max-batch-size 64]   # adds model.pt2
   python -m model info DIR
 """
 
@@ -107,6 +108,13 @@ def _check(args: argparse.Namespace) -> dict[str, object]:
     return {"bundle": str(args.directory), "reference": args.reference, **result.to_dict()}
 
 
+def _compile_aoti(args: argparse.Namespace) -> dict[str, object]:
+    from model.aoti import compile_aoti, describe  # torch.export and Inductor: only this command needs them
+
+    return describe(compile_aoti(args.directory, dtype=args.dtype, device=args.device,
+                                 max_batch_size=args.max_batch_size))
+
+
 def _info(args: argparse.Namespace) -> dict[str, object]:
     return read_manifest(args.directory).to_dict()
 
@@ -182,6 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=1e-5, help="largest accepted absolute difference (default: 1e-5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.set_defaults(run=_check)
+
+    p = sub.add_parser("compile-aoti", help="add the compiled AOTInductor artefact (model.pt2) to a bundle",
+                       description="Export the bundle's encoder with torch.export (dynamic batch and length) and "
+                       "compile it with AOTInductor into DIR/model.pt2, checked against model.pt (1e-5 in fp32), "
+                       "and record it in manifest.aoti (file, sha256, dtype, device, torch version). The package "
+                       "runs only on this torch version, device type and dtype; the service uses it with "
+                       "--backend aoti (docs/performance.md). model.pt stays: it serves every call the compiled "
+                       "graph does not cover. Takes a minute or more (a C++ compile).")
+    p.add_argument("directory", type=Path, help="bundle directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the serving precision it is compiled for (default: float32 = --precision fp32)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device type (default: cpu)")
+    p.add_argument("--max-batch-size", type=int, default=64,
+                   help="largest batch it takes, the service's --max-batch-size (default: 64); larger batches "
+                   "run on model.pt")
+    p.set_defaults(run=_compile_aoti)
 
     p = sub.add_parser("info", help="print a bundle's manifest", description="Print DIR/manifest.json, checked.")
     p.add_argument("directory", type=Path, help="bundle directory")

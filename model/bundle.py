@@ -35,12 +35,13 @@ import torch
 from torch import nn
 
 from model.config import EncoderConfig
-from model.encoder import alibi_slopes, relative_buckets, sinusoidal_table
+from model.encoder import alibi_slopes, packing, relative_buckets, sinusoidal_table
 from model.text import TOKENIZER_FILE, TextError, TextSettings, TextTokenizer
 
 FORMAT_VERSION = 1
 TEXT_FORMAT_VERSION = 2  # a bundle with a tokenizer (see the module docstring)
 MODEL_FILE = "model.pt"
+AOTI_FILE = "model.pt2"  # optional: the AOTInductor package of model/aoti.py (manifest.aoti)
 MANIFEST_FILE = "manifest.json"
 DIAGNOSTICS_METHOD = "diagnostics"  # Encoder.diagnostics, kept through freezing (load_bundle)
 FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.fault_ops registers
@@ -84,6 +85,8 @@ class Manifest:
     # The tasks served (model/heads.py): {"embed": {}, "classify": {"file", "sha256", "labels", "problem_type"},
     # "rerank": {...}}; None: "embed" only (bundles before heads, and the key left out of the file).
     tasks: Mapping[str, Mapping[str, Any]] | None = None
+    # Optional: the compiled artefact (model.pt2, model/aoti.py); None: TorchScript only.
+    aoti: AotiArtefact | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -102,6 +105,8 @@ class Manifest:
             del d["tasks"]
         else:
             d["tasks"] = {name: dict(entry) for name, entry in self.tasks.items()}
+        if self.aoti is None:
+            del d["aoti"]
         return d
 
     @property
@@ -121,7 +126,7 @@ class Manifest:
             raise ValueError(f"manifest format_version {version} is not supported without its text settings "
                              "(format 2 is a text bundle's)")
         fields = {f.name for f in dataclasses.fields(cls)} - ({"text"} if version == FORMAT_VERSION else set())
-        missing = sorted(fields - set(data) - {"quantization_ranges", "tasks"})
+        missing = sorted(fields - set(data) - {"quantization_ranges", "tasks", "aoti"})
         unknown = sorted(set(data) - fields)
         if missing or unknown:
             raise ValueError(f"manifest has missing keys {missing} and unknown keys {unknown}")
@@ -135,8 +140,48 @@ class Manifest:
         config = EncoderConfig.from_dict(data["config"])
         ranges = _ranges(data["quantization_ranges"], config.d_model) if "quantization_ranges" in data else None
         tasks = check_tasks(data["tasks"]) if "tasks" in data else None
+        aoti = AotiArtefact.from_dict(data["aoti"]) if "aoti" in data else None
         return cls(**{**data, "config": config, "validated_precisions": tuple(precisions), "text": text,
-                      "quantization_ranges": ranges, "tasks": tasks})
+                      "quantization_ranges": ranges, "tasks": tasks, "aoti": aoti})
+
+
+@dataclass(frozen=True)
+class AotiArtefact:
+    """manifest.aoti: the AOTInductor package (model/aoti.py) and what it is tied to. A package is native code
+    for one torch version, device type and dtype; load_compiled refuses any other by name."""
+
+    file: str
+    sha256: str
+    dtype: str  # a DTYPES name: the dtype the weights were cast to before export
+    device: str  # "cpu" or "cuda"
+    torch: str  # torch.__version__ of the compiling process
+    max_batch_size: int  # the largest batch the exported graph takes
+    max_length: int  # the longest sequence (the config's max_length)
+    compile_seconds: float = 0.0  # informational
+
+    @classmethod
+    def from_dict(cls, value: Any) -> AotiArtefact:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"manifest.aoti must be a JSON object, got {value!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing, unknown = sorted(names - set(value) - {"compile_seconds"}), sorted(set(value) - names)
+        if missing or unknown:
+            raise ValueError(f"manifest.aoti has missing keys {missing} and unknown keys {unknown}")
+        for key in ("file", "sha256", "dtype", "device", "torch"):
+            if not isinstance(value[key], str) or not value[key]:
+                raise ValueError(f"manifest.aoti.{key} must be a non-empty string, got {value[key]!r}")
+        if "/" in value["file"] or value["file"].startswith("."):
+            raise ValueError(f"manifest.aoti.file must name a file in the bundle directory, got {value['file']!r}")
+        if value["dtype"] not in DTYPES or value["device"] not in ("cpu", "cuda"):
+            raise ValueError(f"manifest.aoti: dtype must be one of {list(DTYPES)} and device cpu or cuda, got "
+                             f"{value['dtype']!r}, {value['device']!r}")
+        for key in ("max_batch_size", "max_length"):
+            if not isinstance(value[key], int) or isinstance(value[key], bool) or value[key] < 1:
+                raise ValueError(f"manifest.aoti.{key} must be a positive integer, got {value[key]!r}")
+        seconds = value.get("compile_seconds", 0.0)
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+            raise ValueError(f"manifest.aoti.compile_seconds must be a number, got {seconds!r}")
+        return cls(**{**value, "compile_seconds": float(seconds)})
 
 
 def _ranges(value: Any, d_model: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -681,3 +726,113 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
 def has_diagnostics(module: Any) -> bool:
     """Whether a loaded bundle's module has Encoder.diagnostics (attention health sampling)."""
     return bool(module._c._has_method(DIAGNOSTICS_METHOD))
+
+
+class CompiledForward:
+    """A loaded AOTInductor package (model/aoti.py's PackedForward): `(ids, lengths) -> hidden` for the calls it
+    covers (`covers`); the packing is computed here on the host, from host lengths."""
+
+    def __init__(self, runner: Any, artefact: AotiArtefact, device: torch.device) -> None:
+        self._runner = runner
+        self.dtype = artefact.dtype
+        self.max_batch_size = artefact.max_batch_size
+        self.max_length = artefact.max_length
+        self.device = device
+
+    @staticmethod
+    def inputs(ids: torch.Tensor, lengths: torch.Tensor,
+               device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, lengths, tokens, grid) on `device`, from ids (B, T) and host lengths (B,)."""
+        B, T = ids.shape
+        tokens, grid = packing(lengths, T)
+        return (ids.to(device, non_blocking=True), lengths.to(device, non_blocking=True),
+                tokens.to(device, non_blocking=True), grid.view(B, T).to(device, non_blocking=True))
+
+    def covers(self, batch: int, lengths: torch.Tensor) -> bool:
+        """Whether a batch of token ids of these host lengths is within the compiled graph's shapes."""
+        return 1 <= batch <= self.max_batch_size and bool((lengths > 0).any())
+
+    def __call__(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self._runner(*self.inputs(ids, lengths.cpu(), self.device))
+        hidden: torch.Tensor = out[0] if isinstance(out, list | tuple) else out
+        return hidden
+
+
+def load_compiled(directory: str | os.PathLike[str], manifest: Manifest, *, device: str | torch.device = "cpu",
+                  dtype: torch.dtype | str = "float32", reference: Any = None, runners: int = 1) -> CompiledForward:
+    """Load manifest.aoti's package after checking it: the file's sha256, the torch version, the device type and the
+    dtype it was compiled for. With `reference` (the bundle's loaded TorchScript module, in `dtype`), a probe batch
+    must agree with it on real positions (fp32: 1e-5; reduced precision: RELATIVE_ERROR_BOUND). BundleError naming
+    what does not match. `runners`: model instances, so that many threads can run it at once (one: they take
+    turns)."""
+    directory = Path(directory)
+    artefact = manifest.aoti
+    if artefact is None:
+        raise BundleError(f"{directory} has no compiled artefact (manifest.aoti); build one with "
+                          f"`python -m model compile-aoti {directory}`")
+    name = dtype if isinstance(dtype, str) else next((k for k, v in DTYPES.items() if v == dtype), str(dtype))
+    device = torch.device(device)
+    path = directory / artefact.file
+    if artefact.torch != torch.__version__:
+        raise BundleError(f"{path} was compiled by torch {artefact.torch}, this is torch {torch.__version__}: an "
+                          "AOTInductor package runs only on the torch that built it; recompile it with "
+                          f"`python -m model compile-aoti {directory}`")
+    if artefact.device != device.type:
+        raise BundleError(f"{path} was compiled for {artefact.device}, the service runs on {device.type}")
+    if artefact.dtype != name:
+        raise BundleError(f"{path} was compiled for {artefact.dtype}, the service serves {name}")
+    if not path.is_file():
+        raise BundleError(f"{path} not found (manifest.aoti names it)")
+    actual = file_sha256(path)
+    if actual != artefact.sha256:
+        raise BundleError(f"{path} failed its checksum: manifest aoti.sha256 {artefact.sha256}, file sha256 {actual}; "
+                          "the file is corrupt or was replaced")
+    try:
+        from torch._inductor.package import load_package
+
+        runner = load_package(str(path), num_runners=max(1, runners),
+                              device_index=device.index if device.index is not None else -1)
+    except Exception as e:  # noqa: BLE001 - a package torch cannot open, whatever it raises
+        raise BundleError(f"{path} could not be loaded as an AOTInductor package: {type(e).__name__}: {e}") from e
+    compiled = CompiledForward(runner, artefact, device)
+    if reference is not None:
+        _check_compiled(compiled, reference, manifest, path)
+    return compiled
+
+
+def _check_compiled(compiled: CompiledForward, reference: Any, manifest: Manifest, path: Path) -> None:
+    ids, lengths = _probe(manifest.config)
+    try:
+        got = compiled(ids.to(compiled.device), lengths).float()
+    except Exception as e:  # noqa: BLE001 - whatever the native code raises
+        raise BundleError(f"{path} fails to run: {type(e).__name__}: {e}") from e
+    want, _ = _forward(reference, ids.to(compiled.device), lengths, [])
+    want = want.float()
+    real = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).to(got.device)
+    diff = float((got - want).abs().masked_fill(~real[..., None], 0.0).max())
+    if compiled.dtype == "float32":
+        bad, bound = diff > _FP32_ATOL, _FP32_ATOL
+    else:
+        bound = 2 * RELATIVE_ERROR_BOUND[compiled.dtype]
+        diff /= float(want.abs().max())
+        bad = diff > bound
+    if bad or not bool(torch.isfinite(got).all()):
+        raise BundleError(f"{path} does not agree with model.pt: {diff:.3g} on the probe (bound {bound}); recompile "
+                          "it or remove manifest.aoti")
+
+
+def scripted_parameters(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """model.pt's parameters (fp32, CPU) after the checks load_bundle makes (sha256, config facts, weights)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    model_path = directory / MODEL_FILE
+    if not model_path.is_file() or file_sha256(model_path) != manifest.sha256:
+        raise BundleError(f"{model_path} is missing or failed its checksum (manifest sha256)")
+    try:
+        with _quiet_jit():
+            module = torch.jit.load(str(model_path), map_location="cpu")
+    except RuntimeError as e:
+        raise BundleError(f"{model_path} could not be loaded as TorchScript: {e}") from e
+    _check_module(module, manifest, model_path)
+    return {name: p.detach().clone() for name, p in module.named_parameters()}

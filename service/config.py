@@ -19,6 +19,7 @@ CHOICES = {
     "precision": ("auto", "fp32", "fp16", "bf16"),
     "nonfinite_policy": ("retry", "fail"),
     "pipeline": ("auto", "on", "off"),
+    "backend": ("auto", "torchscript", "aoti"),
     "log_level": ("debug", "info", "warning", "error"),
 }
 
@@ -54,6 +55,10 @@ class ServiceConfig:
     device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
     precision: str = _opt("auto", "auto | fp32 | fp16 | bf16 (auto = bf16 on cuda; on cpu the fastest at warm-up "
                                   "that agrees with fp32, docs/performance.md)")
+    backend: str = _opt("auto", "auto | torchscript | aoti: what runs the serving forward; aoti needs the bundle's "
+                                "model.pt2 (python -m model compile-aoti) for this torch, device and precision, "
+                                "else start-up fails; auto = aoti on cpu where the bundle has a usable model.pt2 "
+                                "(measured faster, docs/performance.md), else torchscript")
     nonfinite_policy: str = _opt("retry", "on NaN/Inf under fp16/bf16: retry (re-run in fp32) | fail")
     torch_threads: int = _opt(0, "intra-op threads for the model on CPU (0 = one per core)")
     model_workers: int = _opt(0, "CPU batches computed side by side, each with an equal share of torch_threads; "

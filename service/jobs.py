@@ -88,3 +88,4 @@ class ModelSpec:
     labels: tuple[str, ...] = ()  # the classification head's labels, in id order
     problem_type: str = ""  # its Hugging Face problem_type: how scores are computed from logits
     pair_types: bool = False  # the head has a token type delta: a pair's second text gets token type 1
+    backend: str = "torchscript"  # what runs the serving forward: torchscript | aoti (service/runner.py)

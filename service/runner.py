@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from model.bundle import LoadedBundle, has_diagnostics, load_bundle
+from model.bundle import BundleError, CompiledForward, LoadedBundle, has_diagnostics, load_bundle, load_compiled
 from model.heads import pair_embeddings
 from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
@@ -68,6 +68,7 @@ class Runner:
     def __init__(self, config: ServiceConfig, bundle_dir: str, observer: RunnerObserver, workers: int = 1) -> None:
         self._config = config
         self._threads = config.torch_threads or default_threads()
+        self._workers = workers  # at load: one compiled runner each (model/bundle.py load_compiled)
         self._narrow_threads = 1
         self.set_workers(workers)
         self._bundle_dir = bundle_dir
@@ -76,6 +77,11 @@ class Runner:
         self.precision = resolve_precision(config.precision, self.device)
         self._module: Any = None
         self._fp32_module: Any = None
+        # backend=aoti: the bundle's compiled forward (model.pt2), for the calls it covers (`_compiled_covers`);
+        # None: every forward on the TorchScript module.
+        self._compiled: CompiledForward | None = None
+        self.backend = "torchscript"
+        self.compiled_forwards = 0  # forwards the compiled backend ran (the rest ran on TorchScript)
         self._heads: dict[str, Any] = {}  # task -> its scripted head (model/heads.py), fp32, on the device
         self._tables: dict[int, torch.Tensor | None] = {}  # id(module) -> its word table, for pairs' token types
         self.spec: ModelSpec | None = None
@@ -99,6 +105,8 @@ class Runner:
         self._module = bundle.module
         self._heads = dict(bundle.heads)
         self._tables = {id(bundle.module): bundle.token_embeddings}
+        self._compiled, self.backend, reason = self._load_backend(bundle)
+        log.info("backend %s: %s", self.backend, reason)
         if self.precision != "fp32" and self._config.nonfinite_policy == "retry":
             fp32 = fp32 or load_bundle(self._bundle_dir, device=str(self.device))
             self._fp32_module = fp32.module
@@ -115,6 +123,7 @@ class Runner:
             quantization_ranges=m.quantization_ranges,
             tasks=m.task_names, labels=tuple(classify.get("labels", ())),
             problem_type=str(classify.get("problem_type", "")), pair_types=bundle.token_embeddings is not None,
+            backend=self.backend,
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)
@@ -123,6 +132,34 @@ class Runner:
                             "before it, or a wrapper exporting only forward); re-export it to enable it",
                             self._bundle_dir)
         return self.spec
+
+    def _load_backend(self, bundle: LoadedBundle) -> tuple[CompiledForward | None, str, str]:
+        """(the compiled forward or None, the backend's name, why). The compiled model.pt2 is loaded with its checks
+        (model/bundle.py load_compiled: sha256, torch version, device, dtype, a probe against model.pt). `aoti`:
+        any failure stops the start-up. `auto`: the compiled backend on CPU where the bundle has a model.pt2 that
+        passes them (it was faster than TorchScript where measured, docs/performance.md), else TorchScript, the
+        reason logged; on CUDA TorchScript (not measured there yet)."""
+        backend, artefact = self._config.backend, bundle.manifest.aoti
+        if backend == "torchscript":
+            return None, "torchscript", "configured"
+        if backend == "auto":
+            if artefact is None:
+                return None, "torchscript", "auto: the bundle has no compiled model.pt2 (python -m model compile-aoti)"
+            if self._cuda:
+                return None, "torchscript", "auto: the compiled backend is not measured on cuda yet; model.pt2 unused"
+        try:
+            compiled = load_compiled(self._bundle_dir, bundle.manifest, device=self.device,
+                                     dtype=DTYPES[self.precision], reference=bundle.module, runners=self._workers)
+        except BundleError as e:
+            if backend == "aoti":
+                raise BundleError(f"backend aoti: {e}") from None
+            log.warning("backend auto: the bundle's compiled model.pt2 is not usable here, serving TorchScript: %s", e)
+            return None, "torchscript", f"auto: model.pt2 refused ({e})"
+        covered = (f"model.pt2 for batches of up to {compiled.max_batch_size} token-id sequences without attention "
+                   "weights or causal mask; other calls run on model.pt")
+        if backend == "auto":
+            return compiled, "aoti", f"auto: on cpu the compiled backend where the bundle has one: {covered}"
+        return compiled, "aoti", f"configured: {covered}"
 
     def _measure_precision(self, candidates: Sequence[str] = ("bf16", "fp16")) -> tuple[LoadedBundle, Any,
                                                                                           PrecisionChoice]:
@@ -215,6 +252,7 @@ class Runner:
     def set_workers(self, workers: int) -> None:
         """How many workers run batches side by side (their narrow batches share the threads): set
         before the batcher starts, once the split is chosen (service/engine.py)."""
+        self._workers = workers
         self._narrow_threads = max(1, self._threads // workers)  # a batch's share beside other workers' batches
 
     def set_wide(self, wide: bool) -> None:
@@ -452,7 +490,12 @@ class Runner:
             if events is not None:
                 events[0].record()
             # Host lengths (pinned on CUDA): the model reads them to skip the mask when nothing is padded.
-            hidden, attention = module(ids, emb, lengths_host, first.causal, layers)
+            if module is self._module and self._compiled_covers(ids, emb, lengths_host, first.causal, layers):
+                assert self._compiled is not None and ids is not None
+                hidden, attention = self._compiled(ids, lengths_host), None
+                self.compiled_forwards += 1
+            else:
+                hidden, attention = module(ids, emb, lengths_host, first.causal, layers)
             hidden = hidden.float()
             if attention is not None:
                 attention = attention.float()
@@ -480,6 +523,14 @@ class Runner:
             if events is not None:
                 events[1].record()
         return pending
+
+    def _compiled_covers(self, ids: torch.Tensor | None, emb: torch.Tensor | None, lengths: torch.Tensor,
+                         causal: bool, layers: list[int]) -> bool:
+        """Whether this forward runs on the compiled backend: token ids in (not embeddings, not pairs' token
+        types), no causal mask, no attention weights, a batch within its compiled shapes. The serving module
+        only (`module is self._module`): the fp32 retry of non-finite rows stays on TorchScript."""
+        return (self._compiled is not None and ids is not None and emb is None and not causal and not layers
+                and self._compiled.covers(int(ids.shape[0]), lengths))
 
     def _finite_rows(self, hidden: torch.Tensor, attention: torch.Tensor | None,
                      lengths: torch.Tensor) -> torch.Tensor:

@@ -106,4 +106,5 @@ def xlmr_reranker(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
     return head_bundle(tmp_path_factory, "xlmr-reranker")
 
 
+from tests.support.aoti_helpers import aoti_bundle  # noqa: E402, F401
 from tests.support.hf_helpers import minilm_bundle, minilm_dir, minilm_reference, tiny_text_bundle  # noqa: E402, F401

@@ -238,7 +238,7 @@ class AttentionServicer:
                                         workers_reason=spec.workers_reason, compared_workers=spec.compared_workers,
                                         compared_tokens_per_second=spec.compared_curve),
             quantization_ranges=_ranges(spec.quantization_ranges),
-            tasks=spec.tasks, labels=spec.labels,
+            tasks=spec.tasks, labels=spec.labels, backend=spec.backend,
             limits=pb.Limits(
                 max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
                 max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,

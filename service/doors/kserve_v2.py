@@ -281,7 +281,7 @@ class KServeServicer:
             "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
             "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
             "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
-            "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias}
+            "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias, "backend": spec.backend}
         if spec.tokenizer is not None:  # `text` is cut (or refused) at the tokenizer's limit, not at max_length
             t = spec.tokenizer.settings
             described.update({
