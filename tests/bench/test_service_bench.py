@@ -91,9 +91,10 @@ def test_the_table_sets_the_service_against_the_naive_server_of_the_same_round()
     assert rows["1"] == "| fp32 | 128 | 1 | 8.0 ms | 10.0 ms | 5.0 ms | 1.60 | 0.80 |"
     assert "load average start 1.00 2.00 3.00;" in table
     assert sum(line.startswith("| naive | fp32 | off | 128 |") for line in table.splitlines()) == 4
-    targets = table.split("Targets (issue 6)")[1]
-    assert "fp32 fixed c64: throughput 0.80 (0.80, 0.90, 0.80) of the ceiling" in targets  # the service's only
-    assert "p50 minus in-process batch-1 latency +3.00 ms" in targets
+    targets = table.split("Targets (issue 32)")[1]
+    assert "fp32 fixed c64: throughput 0.80 (0.80, 0.90, 0.80) of the ceiling (target >= 0.95)" in targets
+    assert ("fp32 fixed c1: p50 minus in-process batch-1 latency +3.00 ms (target <= +1.0 ms); server-side compute "
+            "1.00 ms, in-process batch-1 5.00 ms; p50 over the naive server's 0.80") in targets
 
 
 def test_without_the_naive_server_its_column_is_empty() -> None:
