@@ -1,7 +1,7 @@
 """A/B two server variants under the same load, in alternating slices, so that this shared machine's
 drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and its median count.
 
-    python -m bench.ab [--lengths 128 128 | --text short|passages] [--concurrency 64] [--rounds 8]
+    python -m bench.ab [--lengths 128 128 | --text short|passages] [--concurrency 64 ...] [--rounds 8]
                        [--seconds 4] [--model BUNDLE] [--a-flag F ...] [--b-flag F ...]
                        [--a-source DIR] [--b-source DIR] [--a-prelude CODE] [--b-prelude CODE] [--keep-servers]
 
@@ -143,7 +143,8 @@ def stop(sides: dict[str, ServerProcess]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"))
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64],
+                        help="one or more: each round runs a slice per concurrency on each side (one start-up)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per slice (1 s warm-up)")
     parser.add_argument("--text", choices=sorted(TEXT_WORDS), default=None,
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         return start(models[side], getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
                      getattr(args, f"{side}_flag"))
 
-    rows: dict[str, list[tuple[float, float, float, float, float]]] = {"a": [], "b": []}
+    rows: dict[tuple[str, int], list[tuple[float, float, float, float, float]]] = {
+        (side, c): [] for side in ("a", "b") for c in args.concurrency}
     precisions: dict[str, list[tuple[str, str]]] = {"a": [], "b": []}
     cos: list[np.ndarray] = []
     sides: dict[str, ServerProcess] = {}
@@ -180,24 +182,29 @@ def main(argv: list[str] | None = None) -> int:
                 if side not in sides:
                     sides[side] = start_side(side)
                     precisions[side].append(precision_of(sides[side].target))
+                    print(f"round {round_} {side.upper()} started: precision {precisions[side][-1][0]}", flush=True)
             if args.text:
                 vectors = {side: pooled(sides[side].target, sample) for side in order}
                 cos.append(cosines(vectors["a"], vectors["b"]))
-            for side in order:
+                print(f"round {round_} pooled cosine B vs A: min {cos[-1].min():.6f}", flush=True)
+            for c, side in ((c, side) for c in args.concurrency for side in order):
                 server = sides[side]
                 cpu_before = cpu_s(server.pid)
                 if args.text:
-                    load = run_load(server.target, concurrency=args.concurrency, duration_s=args.seconds, warmup_s=1.0,
+                    load = run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
                                     seed=round_, pool_size=TEXTS, text_source=texts, pooling="model",
                                     return_hidden=False)
                 else:
-                    load = run_load(server.target, concurrency=args.concurrency, duration_s=args.seconds, warmup_s=1.0,
+                    load = run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
                                     lengths=tuple(args.lengths), seed=round_, pool_size=512)
                 r = asyncio.run(load)
                 calls = r.requests + r.warmup_requests
                 cpu_after = cpu_s(server.pid)
                 cpu, loop = (1e3 * (cpu_after[i] - cpu_before[i]) / calls for i in (0, 1))
-                rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
+                rows[side, c].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
+                print(f"round {round_} c{c} {side.upper()}: {r.sequences_per_s:.1f} {unit}, p50 "
+                      f"{r.latency_ms['p50']:.1f} ms, errors {sum(r.errors.values())}, load average "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
             if not args.keep_servers:
                 stop(sides)
                 sides = {}
@@ -211,14 +218,21 @@ def main(argv: list[str] | None = None) -> int:
         every = np.concatenate(cos)
         print(f"pooled cosine B vs A on {len(sample)} texts x {len(cos)} rounds: min {every.min():.6f}, "
               f"median {np.median(every):.6f}")
-    for side in ("a", "b"):
-        a = np.asarray(rows[side])
+    for c in args.concurrency:
+        if len(args.concurrency) > 1:
+            print(f"concurrency {c}:")
+        report(rows["a", c], rows["b", c], unit)
+    return 0
+
+
+def report(a_rows: list[tuple[float, ...]], b_rows: list[tuple[float, ...]], unit: str) -> None:
+    for side, side_rows in (("a", a_rows), ("b", b_rows)):
+        a = np.asarray(side_rows)
         print(f"{side.upper()}: {unit} {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "
               f"p99/p50 {np.median(a[:, 2] / a[:, 1]):.2f}; server CPU ms/call {np.median(a[:, 3]):.2f}, "
               f"event loop {np.median(a[:, 4]):.3f}")
-    ratio = np.asarray(rows["b"])[:, 0] / np.asarray(rows["a"])[:, 0]
+    ratio = np.asarray(b_rows)[:, 0] / np.asarray(a_rows)[:, 0]
     print(f"B/A {unit} per round: {' '.join(f'{x:.3f}' for x in ratio)}; median {np.median(ratio):.3f}")
-    return 0
 
 
 if __name__ == "__main__":
