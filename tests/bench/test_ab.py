@@ -28,3 +28,29 @@ def test_ab_runs_both_variants_in_alternating_rounds(tiny_bundle: Path) -> None:
         assert all(x > 0 for x in rates)
         assert 0 < cpu < 1000 and 0 <= loop <= cpu  # the loop is one of the server's threads
     assert re.search(r"^B/A seq/s per round: [\d.]+ [\d.]+; median [\d.]+$", proc.stdout, re.M), proc.stdout
+
+
+@pytest.mark.slow
+def test_ab_text_mode_reports_texts_per_s_precisions_and_the_cosine_between_the_sides(tiny_text_bundle: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.ab", "--model", str(tiny_text_bundle), "--text", "short",
+         "--concurrency", "2", "4", "--rounds", "2", "--seconds", "0.5", "--keep-servers", "--a-flag=--precision=fp32",
+         "--b-flag=--precision=bf16"],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert re.search(r"^A precision fp32 \(1 of 1 starts\): configured", out, re.M), out
+    assert re.search(r"^B precision bf16 \(1 of 1 starts\): configured", out, re.M), out
+    # a group per concurrency, in order, each with both sides' rates per round and their ratio
+    groups = re.split(r"^concurrency (\d+):$", out, flags=re.M)
+    assert groups[1::2] == ["2", "4"], out
+    for group in groups[2::2]:
+        for side in ("A", "B"):
+            line = re.search(rf"^{side}: texts/s ([\d.]+) ([\d.]+); median ([\d.]+),", group, re.M)
+            assert line is not None and all(float(x) > 0 for x in line.groups()), out
+        assert re.search(r"^B/A texts/s per round: [\d.]+ [\d.]+; median [\d.]+$", group, re.M), out
+    cos = re.search(r"^pooled cosine B vs A on 64 texts x 2 rounds: min ([-\d.]+), median ([-\d.]+)$", out, re.M)
+    assert cos is not None, out
+    low, mid = (float(x) for x in cos.groups())
+    # bf16 against fp32: close (the same model), not identical (a different precision really ran)
+    assert 0.99 < low <= mid < 1.0, out

@@ -15,8 +15,10 @@ def test_a_bounded_run_of_the_services_doors_prints_a_row_per_door_and_concurren
     monkeypatch.setattr(vs_infinity, "make_texts", lambda n: ["a b", "the quick fox", "über café"] * n)
     assert vs_infinity.main(["--arms", "http", "grpc", "--model", str(tiny_text_bundle), "--rounds", "1", "--duration",
                              "0.5", "--max-calls", "20", "--warmup", "0.2", "--concurrency", "1", "4",
-                             "--threads", "1", "--texts", "16"]) == 0
+                             "--threads", "1", "--texts", "16", "--precision", "bf16",
+                             "--service-flag=--nonfinite-policy=fail"]) == 0
     out = capsys.readouterr().out
+    assert "service: --precision bf16, serving bf16: configured" in out  # the flag reached the server
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith(("| http |", "| grpc |"))]
     assert [(r[0].strip(), int(r[1])) for r in rows] == [("http", 1), ("grpc", 1), ("http", 4), ("grpc", 4)]
     for row in rows:
