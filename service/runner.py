@@ -161,11 +161,11 @@ class Runner:
             return compiled, "aoti", f"auto: on cpu the compiled backend where the bundle has one: {covered}"
         return compiled, "aoti", f"configured: {covered}"
 
-    def _measure_precision(self, candidates: Sequence[str] = ("bf16", "fp16")) -> tuple[LoadedBundle, Any,
-                                                                                          PrecisionChoice]:
+    def _measure_precision(self, candidates: Sequence[str] = ("bf16", "fp16")
+                           ) -> tuple[LoadedBundle, LoadedBundle | None, PrecisionChoice]:
         """precision=auto on CPU: load the bundle in fp32 and each candidate, run all on one probe batch,
         compare each candidate's output with fp32's, time them interleaved and choose (service/tuning.py).
-        Returns (the chosen bundle, the fp32 module, the choice). Bounded: a few forwards of 512 tokens
+        Returns (the chosen bundle, the fp32 bundle, the choice). Bounded: a few forwards of 512 tokens
         each; a candidate more than twice as slow as fp32 is not timed further."""
         device = str(self.device)
         loaded = {"fp32": load_bundle(self._bundle_dir, device=device)}
@@ -206,7 +206,7 @@ class Runner:
         choice = choose_precision(seconds, agreements, shape)
         if notes:
             choice = PrecisionChoice(choice.precision, f"{choice.reason}; {'; '.join(notes)}", choice.forward_ms)
-        return loaded[choice.precision], loaded["fp32"].module, choice
+        return loaded[choice.precision], loaded["fp32"], choice
 
     def probe_batch(self, rows: int, seq: int) -> list[Job]:
         """A warm-up measurement's batch (service/tuning.py measure_splits): `rows` pooled rows of `seq`

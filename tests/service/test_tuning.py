@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from model import faults
 from model.bundle import save_bundle
 from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from service.config import ServiceConfig
 from service.engine import batch_budget, batch_limits
-from service.jobs import ModelSpec
+from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.runner import Runner
@@ -97,6 +99,23 @@ def test_precision_auto_measures_on_the_loaded_model_and_refuses_one_beyond_the_
     spec = runner.load()
     assert "bf16 refused: differs from fp32 beyond the bound" in spec.precision_reason, spec.precision_reason
     assert spec.precision != "bf16" and set(spec.precision_forward_ms) == {"fp32", "bf16", "fp16"}
+
+
+def test_a_measured_reduced_precision_keeps_the_fp32_module_for_retries(fault_bundle: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """precision=auto choosing bf16 with nonfinite_policy=retry (the defaults): the fp32 bundle loaded for the
+    measurement serves the re-runs of non-finite rows (a start-up failed here once: the measurement handed
+    back the module where the bundle was wanted). The timing is injected so that bf16 wins on any machine."""
+    import service.runner
+
+    monkeypatch.setattr(service.runner, "fastest_times",
+                        lambda runs, **_: {name: {"fp32": 0.04, "bf16": 0.01}.get(name, 0.05) for name in runs})
+    runner = _runner(fault_bundle, precision="auto", nonfinite_policy="retry")
+    spec = runner.load()
+    assert spec.precision == "bf16" and spec.precision_reason.startswith("measured"), spec.precision_reason
+    nan, clean = runner.execute([Job(np.array([5, faults.NAN_ROW, 7]), None), Job(np.array([5, 6, 7]), None)])[0]
+    assert isinstance(nan, Output) and nan.fp32_rerun and nan.hidden is not None and np.isfinite(nan.hidden).all()
+    assert isinstance(clean, Output) and not clean.fp32_rerun
 
 
 def test_an_injected_bound_nothing_can_meet_leaves_fp32(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch):
