@@ -184,3 +184,17 @@ async def test_configured_choices_are_reported_as_configured(served):
     info = await served.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.precision, info.precision_reason, dict(info.precision_forward_ms)) == ("fp32", "configured", {})
     assert (info.batch_budget.max_batch_tokens, info.batch_budget.reason) == (2048, "configured")
+
+
+async def test_a_serving_engine_shortens_the_gil_switch_interval(start_server):
+    """The model threads must not wait 5 ms (CPython's default) for the GIL behind the event loop."""
+    import sys
+
+    from service.engine import SWITCH_INTERVAL_S
+
+    sys.setswitchinterval(0.005)
+    try:
+        await start_server()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S) and SWITCH_INTERVAL_S < 0.005
+    finally:
+        sys.setswitchinterval(0.005)
