@@ -41,7 +41,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from bench.service_bench import _choices as describe
@@ -50,8 +49,6 @@ from bench.text_bench import WORDS
 from client import SyncEncoderClient
 from client.load import run_load
 from model.default import ensure_default_bundle
-from proto.attention.v1 import attention_pb2 as pb
-from proto.attention.v1 import attention_pb2_grpc
 from tests.support.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,13 +114,6 @@ def minilm_bundle(source: Path) -> Path:
     return out
 
 
-def precision_of(target: str) -> tuple[str, str]:
-    """What the server's ModelInfo says: (precision, precision_reason)."""
-    with grpc.insecure_channel(target) as channel:
-        info = attention_pb2_grpc.AttentionServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
-    return info.precision, info.precision_reason
-
-
 def pooled(target: str, texts: list[str]) -> np.ndarray:
     """The sentence embeddings of `texts` from the server at `target` (the model's pooling), [n, d] float64."""
     with SyncEncoderClient(target, timeout=60) as client:
@@ -184,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 if side not in sides:
                     sides[side] = start_side(side)
                     served = served_choices(sides[side].target)
-                    precisions[side].append(precision_of(sides[side].target))
+                    precisions[side].append((served["precision"], served["precision_reason"]))
                     print(f"round {round_} {side.upper()} started: precision {precisions[side][-1][0]}, "
                           f"{describe(served)}", flush=True)
                     for key in ("workers_reason", "batch_reason"):

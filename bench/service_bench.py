@@ -280,16 +280,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def served_choices(target: str) -> dict[str, Any]:
-    """The worker split and batch budget a running service chose (GetModelInfo's batch_budget)."""
+    """What a running service chose at warm-up (GetModelInfo): its precision, worker split and batch budget."""
     import grpc
 
     from proto.attention.v1 import attention_pb2 as pb
     from proto.attention.v1 import attention_pb2_grpc
 
     with grpc.insecure_channel(target) as channel:
-        budget = attention_pb2_grpc.AttentionServiceStub(channel).GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=30).batch_budget
-    return {"model_workers": budget.model_workers, "workers_reason": budget.workers_reason,
+        info = attention_pb2_grpc.AttentionServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    budget = info.batch_budget
+    return {"precision": info.precision, "precision_reason": info.precision_reason,
+            "model_workers": budget.model_workers, "workers_reason": budget.workers_reason,
             "max_batch_tokens": budget.max_batch_tokens, "batch_reason": budget.reason}
 
 
