@@ -68,9 +68,8 @@ class Runner:
     def __init__(self, config: ServiceConfig, bundle_dir: str, observer: RunnerObserver, workers: int = 1) -> None:
         self._config = config
         self._threads = config.torch_threads or default_threads()
-        self._workers = workers  # at load: one compiled runner each (model/bundle.py load_compiled)
-        self._narrow_threads = 1
-        self.set_workers(workers)
+        self._workers = self._narrow_threads = 1
+        self.set_workers(workers)  # at load: one compiled runner per worker (model/bundle.py load_compiled)
         self._bundle_dir = bundle_dir
         self._observer = observer
         self.device = resolve_device(config.device)
