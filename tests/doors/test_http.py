@@ -137,7 +137,8 @@ async def test_openai_minilm_text_equals_sentence_transformers_and_the_grpc_door
 # -- TEI -------------------------------------------------------------------------------------------
 
 async def test_tei_routes_answer_in_teis_shapes(start_server: Any, tiny_text_bundle: Path) -> None:
-    s = await start_server(bundle=tiny_text_bundle, http_port=0)
+    # The budget measured at warm-up (0), so that /info must report the one in force, not the configuration.
+    s = await start_server(bundle=tiny_text_bundle, http_port=0, max_batch_tokens=0)
     texts = ["the cat", "a b c."]
     grpc_response = await s.stub.Encode(pb.EncodeRequest(sequences=[pb.Sequence(text=t) for t in texts],
                                                          output=pb.OutputOptions(pooling=pb.POOLING_MODEL)), timeout=30)
@@ -170,6 +171,8 @@ async def test_tei_routes_answer_in_teis_shapes(start_server: Any, tiny_text_bun
         info = (await http.get("/info")).json()
         assert info["model_id"] == s.server.serving.spec.name and info["max_client_batch_size"] == 64
         assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+        in_force = s.server.serving.spec
+        assert in_force.batch_reason.startswith("measured") and info["max_batch_tokens"] == in_force.max_batch_tokens > 0
         assert (await http.get("/health")).status_code == 200
 
 
