@@ -3,9 +3,9 @@
 `Encoder.forward` is the scripted interface the service calls (see its docstring). Everything here
 is pure PyTorch and `torch.jit.script`-able; export and loading live in model/bundle.py.
 
-Reduced precision (module cast with `.to(torch.bfloat16 | torch.float16)`): LayerNorm, the explicit
-attention scores and their softmax run in fp32; SDPA's fused kernels (CPU flash, CUDA flash and
-memory-efficient) accumulate in fp32.
+Reduced precision (module cast with `.to(torch.bfloat16 | torch.float16)`): the explicit attention
+scores and their softmax run in fp32; LayerNorm's kernels and SDPA's fused ones (CPU flash, CUDA flash
+and memory-efficient) accumulate in fp32.
 Masks are boolean, so no -1e9 literal can overflow fp16 and no two finfo.min terms are ever added.
 With a relative position bias the SDPA path passes a float mask instead (the bias, the dtype's finite
 minimum filled in where the boolean mask is False): on CPU the attention call then costs 1.2-1.4x the
@@ -41,16 +41,18 @@ from model.config import EncoderConfig
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm that normalises in fp32 whatever the module dtype, then casts back.
-
-    Explicit rather than left to each backend kernel's accumulation type: a bf16 mean and variance
-    keep ~3 significant digits, and fp16 x*x overflows above 256. State-dict keys are nn.LayerNorm's.
+    """nn.LayerNorm whose mean, variance and affine step run in fp32 whatever the module dtype, the
+    result rounded once to it: a bf16 mean and variance would keep ~3 significant digits, and fp16 x*x
+    overflows above 256. The kernels of both devices served (CPU and CUDA) accumulate bf16 and fp16
+    inputs in fp32 (their opmath type), so the call is the plain one: an explicit x.float() and cast back
+    computed the same numbers (one output ulp apart in about 1 element in 30,000) and cost two casts of
+    the whole activation per norm, which took about a sixth of a bf16 MiniLM forward on CPU
+    (bench/RESULTS.md). tests/model/test_model_numerics.py holds the kernels to it. State-dict keys are
+    nn.LayerNorm's.
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight.float() if self.weight is not None else None
-        b = self.bias.float() if self.bias is not None else None
-        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):

@@ -9,12 +9,13 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from model.bundle import RELATIVE_ERROR_BOUND
 from model.config import REFERENCE, EncoderConfig
-from model.encoder import Encoder
+from model.encoder import Encoder, LayerNorm
 from tests.support.model_helpers import batch, max_errors, tiny
 
 REDUCED = [torch.bfloat16, torch.float16]
@@ -88,3 +89,24 @@ def test_hard_inputs_stay_finite(dtype: torch.dtype, config: EncoderConfig, caus
                 if weights is not None:
                     assert torch.isfinite(weights).all()
                     assert torch.equal(weights[2], torch.zeros_like(weights[2])), "length 0: no attention at all"
+
+
+@pytest.mark.parametrize("dtype", REDUCED, ids=str)
+def test_layer_norm_accumulates_in_fp32(dtype: torch.dtype) -> None:
+    """model.encoder.LayerNorm calls the kernel on the reduced dtype directly: that is only right while the
+    kernel accumulates in fp32. Rows of magnitude 1e3 around an offset (fp16 x*x overflows above 256; a
+    bf16 mean keeps ~3 digits) must come out as the fp32 normalisation rounded once, within one ulp."""
+    g = torch.Generator().manual_seed(3)
+    C = 384
+    x = ((torch.randn(64, C, generator=g) * 1e3 + 300.0)).to(dtype)
+    norm = LayerNorm(C, eps=1e-12)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(C, generator=g))
+        norm.bias.copy_(0.1 * torch.randn(C, generator=g))
+    norm = norm.to(dtype)
+    want = F.layer_norm(x.float(), (C,), norm.weight.float(), norm.bias.float(), 1e-12)
+    with torch.inference_mode():
+        got = norm(x)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    ulp = torch.finfo(dtype).eps * want.abs().clamp_min(torch.finfo(dtype).tiny)  # one ulp at each value, about
+    assert ((got.float() - want).abs() <= 2 * ulp + 1e-6).all(), float((got.float() - want).abs().max())
