@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.server_process import PINNED
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+def pinned(*, precision: bool = True) -> list[str]:
+    """bench.ab starts its servers unpinned (the real defaults); these flags pin both sides as the tests' own
+    servers are (tests/support/server_process.py PINNED), so no start spends seconds measuring at warm-up.
+    `precision=False` leaves the precision to the test's own side flags."""
+    flags = PINNED if precision else PINNED[2:]
+    return [f"--{side}-flag={flag}" for side in ("a", "b") for flag in flags]
 
 
 @pytest.mark.slow
@@ -17,7 +27,7 @@ def test_ab_runs_both_variants_in_alternating_rounds(tiny_bundle: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ab", "--model", str(tiny_bundle), "--lengths", "8", "16", "--concurrency", "4",
          "--rounds", "2", "--seconds", "0.5", "--b-flag=--max-batch-size=1",
-         "--b-prelude", "import service.batching.choice as w; w.AGE_POWER = 0"],
+         "--b-prelude", "import service.batching.choice as w; w.AGE_POWER = 0", *pinned()],
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for side in ("A", "B"):
@@ -35,7 +45,7 @@ def test_ab_text_mode_reports_texts_per_s_precisions_and_the_cosine_between_the_
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ab", "--model", str(tiny_text_bundle), "--text", "short",
          "--concurrency", "2", "4", "--rounds", "2", "--seconds", "0.5", "--keep-servers", "--a-flag=--precision=fp32",
-         "--b-flag=--precision=bf16"],
+         "--b-flag=--precision=bf16", *pinned(precision=False)],
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
