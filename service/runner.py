@@ -171,12 +171,12 @@ class Runner:
         compare each candidate's output with fp32's, time them interleaved and choose (service/tuning.py).
         Returns (the chosen bundle, the fp32 bundle, the choice).
 
-        Timed at one worker's width (`narrow_threads`: the threads over the default worker count), the width
-        the service's batches run at side by side under load, and on one thread. Not at every thread: then
-        each forward waits at every OpenMP barrier for whichever of its threads the machine's other work has
-        descheduled, by more in one precision's calls than the other's (bench/RESULTS.md). Bounded: a few
-        forwards of 512 tokens each, `timed_rounds` within about 2 s; a candidate more than twice as slow as
-        fp32 on its second call is not timed further."""
+        Timed at one worker's width (`narrow_threads`: the threads over the configured or default worker
+        count the runner was made with), the width its batches run at side by side under load, from one
+        thread. Not at every thread: then each forward waits at every OpenMP barrier for whichever of its
+        threads the machine's other work has descheduled, by more in one precision's calls than the other's
+        (bench/RESULTS.md). Bounded: a few forwards of 512 tokens each, `timed_rounds` within about 2 s; a
+        candidate more than twice as slow as fp32 on its second call is not timed further."""
         device = str(self.device)
         loaded = {"fp32": load_bundle(self._bundle_dir, device=device)}
         ids, lengths = _probe_batch(loaded["fp32"].manifest.config)
