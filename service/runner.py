@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,9 +43,13 @@ from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
 from service.jobs import POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
-from service.tuning import PrecisionChoice, agreement, choose_precision, fastest_times
+from service.tuning import PrecisionChoice, agreement, choose_precision, round_ratios, timed_rounds
 
 log = logging.getLogger(__name__)
+
+# The precision probe's timing (service/tuning.py timed_rounds): up to 7 interleaved rounds, at least 3 (a
+# median of fewer would be one round's ratio), fewer once about 2 s are spent.
+PROBE_ROUNDS, PROBE_MIN_ROUNDS, PROBE_BUDGET_S = 7, 3, 2.0
 
 
 class RunnerObserver(Protocol):
@@ -164,12 +169,20 @@ class Runner:
                            ) -> tuple[LoadedBundle, LoadedBundle | None, PrecisionChoice]:
         """precision=auto on CPU: load the bundle in fp32 and each candidate, run all on one probe batch,
         compare each candidate's output with fp32's, time them interleaved and choose (service/tuning.py).
-        Returns (the chosen bundle, the fp32 bundle, the choice). Bounded: a few forwards of 512 tokens
-        each; a candidate more than twice as slow as fp32 is not timed further."""
+        Returns (the chosen bundle, the fp32 bundle, the choice).
+
+        Timed at one worker's width (`narrow_threads`: the threads over the configured or default worker
+        count the runner was made with), the width its batches run at side by side under load, from one
+        thread. Not at every thread: then each forward waits at every OpenMP barrier for whichever of its
+        threads the machine's other work has descheduled, by more in one precision's calls than the other's
+        (bench/RESULTS.md). Bounded: a few forwards of 512 tokens each, `timed_rounds` within about 2 s; a
+        candidate more than twice as slow as fp32 on its second call is not timed further."""
         device = str(self.device)
         loaded = {"fp32": load_bundle(self._bundle_dir, device=device)}
         ids, lengths = _probe_batch(loaded["fp32"].manifest.config)
-        shape = f"{ids.shape[0]}x{ids.shape[1]} tokens, {torch.get_num_threads()} thread(s)"
+        width = self._narrow_threads
+        share = f"one of {self._workers} workers' share" if self._workers > 1 else "one worker, every thread"
+        measured = f"{ids.shape[0]}x{ids.shape[1]} tokens at {width} of {self._threads} thread(s) ({share})"
 
         def run(module: Any) -> torch.Tensor:
             with torch.inference_mode():
@@ -182,6 +195,7 @@ class Runner:
             started = time.perf_counter()
             return run(module), time.perf_counter() - started
 
+        _set_threads(width)
         try:
             want, warm_fp32 = twice(loaded["fp32"].module)
             notes: list[str] = []
@@ -198,11 +212,17 @@ class Runner:
                 if warm > 2 * warm_fp32:  # cannot win: not worth the rounds (fp16 on most CPUs)
                     slow[name] = warm
             timed = {name: functools.partial(run, b.module) for name, b in loaded.items() if name not in slow}
-            seconds = {**fastest_times(timed), **slow}
+            times = timed_rounds(timed, rounds=PROBE_ROUNDS, budget_s=PROBE_BUDGET_S, min_rounds=PROBE_MIN_ROUNDS)
         except Exception as exc:  # noqa: BLE001 - a failed measurement serves fp32, it does not stop the start
             log.warning("precision measurement failed; serving fp32", exc_info=True)
             return loaded["fp32"], None, PrecisionChoice("fp32", f"measurement failed ({exc}); fp32", {})
-        choice = choose_precision(seconds, agreements, shape)
+        finally:
+            _set_threads(self._threads)
+        ratios = {**round_ratios(times, "fp32"), **{name: [warm / warm_fp32] for name, warm in slow.items()}}
+        forward_ms = {**{name: 1e3 * statistics.median(seconds) for name, seconds in times.items()},
+                      **{name: 1e3 * warm for name, warm in slow.items()}}
+        rounds = len(times["fp32"])
+        choice = choose_precision(ratios, agreements, f"{measured}, {rounds} interleaved rounds", forward_ms)
         if notes:
             choice = PrecisionChoice(choice.precision, f"{choice.reason}; {'; '.join(notes)}", choice.forward_ms)
         return loaded[choice.precision], loaded["fp32"], choice

@@ -5,12 +5,15 @@
 Neither can come from a table: bf16 is ~4x fp32 on a CPU with avx512_bf16 and 4-5x slower on an
 AVX2-only one, and the batch where throughput stops growing differs between machines and models. So
 the runner times the loaded model, here is how the times become a choice. The timing loops are
-interleaved (every candidate once per round) and bounded in rounds and seconds; each candidate's time
-is its fastest round, the one least disturbed by the machine's other work.
+interleaved (every candidate once per round) and bounded in rounds and seconds (`timed_rounds`).
 
 A reduced precision is served only if, on the same batch, it agrees with fp32 within the bounds the
 tests hold (`PRECISION_BOUNDS`) and is at least `MIN_SPEEDUP` times as fast: an accuracy cost is
-not taken for a gain within the noise.
+not taken for a gain within the noise. Its speed is the median over the rounds of its time over
+fp32's in the same round (`round_ratios`), not its fastest call against fp32's: other work on the
+machine that lands on some rounds moves those rounds' ratios, and the median is the rounds it
+spared. (The fastest call of each was distorted both ways on a busy machine: bf16 was timed at
+0.11-0.90x fp32 in 7 of 21 loaded starts, 1.5-3.0x in the others, bench/RESULTS.md.)
 
 The worker split and the budget are measured together, as the service runs under load: for each
 candidate split (1 worker with every thread, and the default, 2 workers with half each), every
@@ -22,6 +25,7 @@ by `WORKERS_GAIN`; the budget is then chosen on the served split's curve (`choos
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +51,7 @@ PRECISION_BOUNDS: dict[str, Bound] = {
     "bf16": Bound(min_cosine=0.9995, max_hidden_error=RELATIVE_ERROR_BOUND["bfloat16"]),
     "fp16": Bound(min_cosine=0.99999, max_hidden_error=RELATIVE_ERROR_BOUND["float16"]),
 }
-K = TypeVar("K")  # what fastest_times' runs are named by
+K = TypeVar("K")  # what timed_rounds' runs are named by
 
 MIN_SPEEDUP = 1.1  # a reduced precision must beat fp32 by this factor to be served
 BATCH_GAIN = 1.1  # a larger batch must raise throughput by this factor to be worth its latency
@@ -99,11 +103,12 @@ def agreement(got: torch.Tensor, want: torch.Tensor, lengths: torch.Tensor) -> A
     return Agreement(cosine, error, finite)
 
 
-def fastest_times(runs: Mapping[K, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
-                  min_rounds: int = 2) -> dict[K, float]:
-    """Seconds of each run's fastest call: `rounds` interleaved rounds (each run once per round, the
-    order alternating), fewer once `budget_s` is spent (never fewer than `min_rounds`)."""
-    best = dict.fromkeys(runs, float("inf"))
+def timed_rounds(runs: Mapping[K, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
+                 min_rounds: int = 2) -> dict[K, list[float]]:
+    """Seconds of each run's call in each round: `rounds` interleaved rounds (each run once per round,
+    the order alternating), fewer once `budget_s` is spent (never fewer than `min_rounds`). Every list
+    has one entry per round, in order, so the i-th entries of two runs were timed side by side."""
+    times: dict[K, list[float]] = {name: [] for name in runs}
     names = list(runs)
     started = time.perf_counter()
     for i in range(rounds):
@@ -112,33 +117,53 @@ def fastest_times(runs: Mapping[K, Callable[[], object]], *, rounds: int = 5, bu
         for name in names if i % 2 == 0 else reversed(names):
             t0 = time.perf_counter()
             runs[name]()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
-def choose_precision(seconds: Mapping[str, float], agreements: Mapping[str, Agreement], shape: str,
-                     bounds: Mapping[str, Bound] = PRECISION_BOUNDS) -> PrecisionChoice:
+def fastest_times(runs: Mapping[K, Callable[[], object]], *, rounds: int = 5, budget_s: float = 2.0,
+                  min_rounds: int = 2) -> dict[K, float]:
+    """Seconds of each run's fastest call in `timed_rounds`: the one least disturbed by other work."""
+    return {name: min(seconds) for name, seconds in
+            timed_rounds(runs, rounds=rounds, budget_s=budget_s, min_rounds=min_rounds).items()}
+
+
+def round_ratios(times: Mapping[K, Sequence[float]], base: K) -> dict[K, list[float]]:
+    """Each run's seconds over `base`'s in the same round, round by round (`base` itself left out);
+    times: as `timed_rounds` returns."""
+    return {name: [s / b for s, b in zip(seconds, times[base], strict=True)]
+            for name, seconds in times.items() if name != base}
+
+
+def choose_precision(ratios: Mapping[str, Sequence[float]], agreements: Mapping[str, Agreement], measured: str,
+                     forward_ms: Mapping[str, float], bounds: Mapping[str, Bound] = PRECISION_BOUNDS
+                     ) -> PrecisionChoice:
     """The fastest precision that agrees with fp32 within `bounds` and beats it by MIN_SPEEDUP; else fp32.
-    seconds: per precision (fp32 included); agreements: per reduced precision; shape: for the reason."""
-    fp32 = seconds["fp32"]
-    ms = {name: round(s * 1e3, 3) for name, s in seconds.items()}
+    ratios: per reduced precision that ran, its forward's seconds over fp32's, one per round (`round_ratios`;
+    a single one for a precision not timed beyond its first calls); its speed is fp32's over the median.
+    agreements: per reduced precision that ran; measured: what was timed, for the reason; forward_ms: per
+    precision (fp32 included), reported as measured."""
+    speedups = {name: 1 / statistics.median(values) for name, values in ratios.items()}
     notes, passing = [], []
     for name, agree in agreements.items():
-        speedup = fp32 / seconds[name]
+        speedup, values = speedups[name], ratios[name]
         bound = bounds[name]
+        over = (f"the median of {len(values)} rounds' ratios, {1 / max(values):.2f}-{1 / min(values):.2f}x"
+                if len(values) > 1 else "its second call against fp32's, not timed further")
         if not agree.within(bound):
             notes.append(f"{name} refused: differs from fp32 beyond the bound (pooled cosine {agree.min_cosine:.6f}"
                          f" vs >= {bound.min_cosine}, hidden error {agree.hidden_error:.4g} vs <= "
                          f"{bound.max_hidden_error})")
         elif speedup < MIN_SPEEDUP:
-            notes.append(f"{name} not chosen: {speedup:.2f}x fp32's speed (needs {MIN_SPEEDUP}x)")
+            notes.append(f"{name} not chosen: {speedup:.2f}x fp32's speed ({over}; needs {MIN_SPEEDUP}x)")
         else:
             passing.append(name)
-            notes.append(f"{name} {speedup:.2f}x fp32's speed, pooled cosine {agree.min_cosine:.6f}, hidden error "
-                         f"{agree.hidden_error:.4g}")
-    chosen = min(passing, key=lambda name: seconds[name]) if passing else "fp32"
+            notes.append(f"{name} {speedup:.2f}x fp32's speed ({over}), pooled cosine {agree.min_cosine:.6f}, "
+                         f"hidden error {agree.hidden_error:.4g}")
+    chosen = max(passing, key=lambda name: speedups[name]) if passing else "fp32"
+    ms = {name: round(value, 3) for name, value in forward_ms.items()}
     timings = ", ".join(f"{name} {value:.1f} ms" for name, value in ms.items())
-    reason = f"measured at warm-up on {shape} ({timings}): {'; '.join(notes)}"
+    reason = f"measured at warm-up on {measured} (median forward: {timings}): {'; '.join(notes)}"
     return PrecisionChoice(chosen, reason, ms)
 
 

@@ -5,6 +5,7 @@ only that a choice is made, explained and reported (timings belong in bench/RESU
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,8 @@ from service.tuning import (
     choose_batch_tokens,
     choose_precision,
     fastest_times,
+    round_ratios,
+    timed_rounds,
 )
 from tests.support.helpers import ids_request, test_config
 
@@ -55,23 +58,51 @@ def overflowing_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+MS = {"fp32": 40.0, "bf16": 10.0, "fp16": 20.0}
+
+
 def test_the_fastest_precision_within_the_bounds_is_chosen():
-    choice = choose_precision({"fp32": 0.040, "bf16": 0.010, "fp16": 0.020}, {"bf16": CLOSE, "fp16": CLOSE}, "4x128")
-    assert choice.precision == "bf16" and choice.forward_ms == {"fp32": 40.0, "bf16": 10.0, "fp16": 20.0}
-    assert choice.reason.startswith("measured at warm-up on 4x128") and "bf16 4.00x" in choice.reason
+    choice = choose_precision({"bf16": [0.25, 0.2, 0.3], "fp16": [0.5, 0.5, 0.6]}, {"bf16": CLOSE, "fp16": CLOSE},
+                              "4x128", MS)
+    assert choice.precision == "bf16" and choice.forward_ms == MS
+    assert choice.reason.startswith("measured at warm-up on 4x128 (median forward: fp32 40.0 ms, bf16 10.0 ms")
+    assert "bf16 4.00x fp32's speed (the median of 3 rounds' ratios, 3.33-5.00x)" in choice.reason
+    assert "fp16 2.00x" in choice.reason
 
 
 def test_a_faster_precision_beyond_the_bound_is_refused():
     far = Agreement(min_cosine=0.99, hidden_error=0.001, finite=True)  # the cosine alone fails bf16's bound
-    choice = choose_precision({"fp32": 0.040, "bf16": 0.010}, {"bf16": far}, "4x128")
+    choice = choose_precision({"bf16": [0.25]}, {"bf16": far}, "4x128", MS)
     assert choice.precision == "fp32" and "bf16 refused: differs from fp32 beyond the bound" in choice.reason
     nonfinite = Agreement(min_cosine=float("-inf"), hidden_error=float("inf"), finite=False)
-    assert choose_precision({"fp32": 0.04, "fp16": 0.01}, {"fp16": nonfinite}, "x").precision == "fp32"
+    assert choose_precision({"fp16": [0.25]}, {"fp16": nonfinite}, "x", MS).precision == "fp32"
 
 
 def test_a_gain_within_the_noise_does_not_buy_a_reduced_precision():
-    choice = choose_precision({"fp32": 0.040, "bf16": 0.038}, {"bf16": CLOSE}, "4x128")
+    choice = choose_precision({"bf16": [0.9, 0.95, 1.0]}, {"bf16": CLOSE}, "4x128", MS)
     assert choice.precision == "fp32" and "bf16 not chosen: 1.05x" in choice.reason
+
+
+def test_the_median_of_the_rounds_ratios_decides_not_one_disturbed_round():
+    """bf16 twice as fast as fp32 when undisturbed (0.02 s against 0.04 s). Other work landing on one round
+    moves that round's ratio only; and where it drifts between rounds, so that fp32 got the one quiet call
+    and bf16 none, the fastest call of each would choose fp32, the rounds' ratios still see bf16 2x."""
+    times = {"fp32": [0.40, 0.04, 0.08, 0.04], "bf16": [0.20, 0.40, 0.04, 0.02]}
+    ratios = round_ratios(times, "fp32")
+    assert ratios == {"bf16": pytest.approx([0.5, 10.0, 0.5, 0.5])}
+    assert choose_precision(ratios, {"bf16": CLOSE}, "x", MS).precision == "bf16"
+    # Round 1: fp32 quiet, bf16 slowed 3x; rounds 2-4: both slowed alike, by 10x, 3x and 20x.
+    drifting = {"fp32": [0.04, 0.40, 0.12, 0.80], "bf16": [0.06, 0.20, 0.06, 0.40]}
+    assert min(drifting["fp32"]) < min(drifting["bf16"])
+    choice = choose_precision(round_ratios(drifting, "fp32"), {"bf16": CLOSE}, "x", MS)
+    assert choice.precision == "bf16" and "bf16 2.00x fp32's speed (the median of 4 rounds' ratios, 0.67-2.00x)" \
+        in choice.reason
+
+
+def test_a_precision_timed_by_one_call_says_so():
+    choice = choose_precision({"fp16": [4.0]}, {"fp16": CLOSE}, "x", MS)
+    assert choice.precision == "fp32"
+    assert "fp16 not chosen: 0.25x fp32's speed (its second call against fp32's, not timed further" in choice.reason
 
 
 def test_agreement_measures_pooled_cosine_and_hidden_error_on_real_tokens_only():
@@ -88,10 +119,14 @@ def test_agreement_measures_pooled_cosine_and_hidden_error_on_real_tokens_only()
     assert not agreement(got, want, lengths).finite
 
 
-def test_fastest_times_interleaves_and_keeps_each_runs_fastest_call():
+def test_timed_rounds_interleave_and_keep_every_round_in_order():
     calls: list[str] = []
-    times = fastest_times({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, budget_s=60)
-    assert calls == ["a", "b", "b", "a", "a", "b"] and set(times) == {"a", "b"}
+    times = timed_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, budget_s=60)
+    assert calls == ["a", "b", "b", "a", "a", "b"] and {name: len(s) for name, s in times.items()} == {"a": 3, "b": 3}
+    fastest = fastest_times({"a": lambda: None}, rounds=3, budget_s=60)
+    assert set(fastest) == {"a"} and fastest["a"] >= 0
+    spent = timed_rounds({"a": lambda: None}, rounds=9, budget_s=-1, min_rounds=3)  # budget gone: the minimum
+    assert len(spent["a"]) == 3
 
 
 def test_precision_auto_measures_on_the_loaded_model_and_refuses_one_beyond_the_bound(overflowing_bundle: Path):
@@ -108,14 +143,44 @@ def test_a_measured_reduced_precision_keeps_the_fp32_module_for_retries(fault_bu
     back the module where the bundle was wanted). The timing is injected so that bf16 wins on any machine."""
     import service.runner
 
-    monkeypatch.setattr(service.runner, "fastest_times",
-                        lambda runs, **_: {name: {"fp32": 0.04, "bf16": 0.01}.get(name, 0.05) for name in runs})
+    monkeypatch.setattr(service.runner, "timed_rounds",
+                        lambda runs, **_: {name: [{"fp32": 0.04, "bf16": 0.01}.get(name, 0.05)] * 3 for name in runs})
     runner = _runner(fault_bundle, precision="auto", nonfinite_policy="retry")
     spec = runner.load()
     assert spec.precision == "bf16" and spec.precision_reason.startswith("measured"), spec.precision_reason
     nan, clean = runner.execute([Job(np.array([5, faults.NAN_ROW, 7]), None), Job(np.array([5, 6, 7]), None)])[0]
     assert isinstance(nan, Output) and nan.fp32_rerun and nan.hidden is not None and np.isfinite(nan.hidden).all()
     assert isinstance(clean, Output) and not clean.fp32_rerun
+
+
+def test_the_probe_is_timed_at_one_workers_width_and_its_rounds_ratios_decide(tiny_bundle: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch):
+    """precision=auto with the default split of 2 workers on 2 threads: the precisions are timed on 1 thread,
+    a worker's share, and the width is back to every thread for what load() runs next. The timings are
+    injected (each run still runs, so the width it ran at is seen): fp32 had the one quiet call, bf16 is
+    2x fp32 round by round; the rounds' ratios choose bf16 and the reason says what was measured."""
+    import service.runner
+
+    widths: list[int] = []
+
+    def rounds(runs: dict[str, Callable[[], object]], **_: object) -> dict[str, list[float]]:
+        for run in runs.values():
+            run()
+            widths.append(torch.get_num_threads())
+        times = {"fp32": [0.04, 0.40, 0.12, 0.80], "bf16": [0.06, 0.20, 0.06, 0.40]}
+        return {name: times.get(name, [1.0] * 4) for name in runs}
+
+    monkeypatch.setattr(service.runner, "timed_rounds", rounds)
+    runner = Runner(test_config(tiny_bundle, precision="auto", torch_threads=2), str(tiny_bundle),
+                    Metrics(CollectorRegistry()), workers=2)
+    spec = runner.load()
+    assert widths and set(widths) == {1} and torch.get_num_threads() == 2
+    assert spec.precision == "bf16", spec.precision_reason
+    assert spec.precision_reason.startswith(
+        "measured at warm-up on 4x64 tokens at 1 of 2 thread(s) (one of 2 workers' share), 4 interleaved rounds "
+        "(median forward: fp32 260.0 ms, bf16 130.0 ms"), spec.precision_reason
+    assert "bf16 2.00x fp32's speed (the median of 4 rounds' ratios, 0.67-2.00x)" in spec.precision_reason
+    assert spec.precision_forward_ms["fp32"] == 260.0 and spec.precision_forward_ms["bf16"] == 130.0
 
 
 def test_an_injected_bound_nothing_can_meet_leaves_fp32(tiny_bundle: Path, monkeypatch: pytest.MonkeyPatch):
