@@ -172,7 +172,8 @@ async def test_tei_routes_answer_in_teis_shapes(start_server: Any, tiny_text_bun
         assert info["model_id"] == s.server.serving.spec.name and info["max_client_batch_size"] == 64
         assert info["model_type"] == {"embedding": {"pooling": "mean"}}
         in_force = s.server.serving.spec
-        assert in_force.batch_reason.startswith("measured") and info["max_batch_tokens"] == in_force.max_batch_tokens > 0
+        assert in_force.batch_reason.startswith("measured")
+        assert info["max_batch_tokens"] == in_force.max_batch_tokens > 0
         assert (await http.get("/health")).status_code == 200
 
 

@@ -381,7 +381,8 @@ class HttpDoor:
             "model_type": {"embedding": {"pooling": settings.pooling if settings is not None else "mean"}},
             "max_concurrent_requests": c.max_queue_requests,
             "max_input_length": settings.max_tokens if settings is not None else spec.max_length,
-            "max_batch_tokens": spec.max_batch_tokens, "max_batch_requests": c.max_batch_size,  # in force: measured or set
+            # max_batch_tokens: the one in force (measured at warm-up or configured)
+            "max_batch_tokens": spec.max_batch_tokens, "max_batch_requests": c.max_batch_size,
             "max_client_batch_size": c.max_sequences_per_call, "auto_truncate": False, "tokenization_workers": 1,
             "version": SERVER_VERSION, "sha": None, "docker_label": None})
 
