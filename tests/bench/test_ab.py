@@ -18,7 +18,8 @@ def pinned(*, precision: bool = True) -> list[str]:
     """bench.ab starts its servers unpinned (the real defaults); these flags pin both sides as the tests' own
     servers are (tests/support/server_process.py PINNED), so no start spends seconds measuring at warm-up.
     `precision=False` leaves the precision to the test's own side flags."""
-    flags = PINNED if precision else PINNED[2:]
+    pairs = [PINNED[i:i + 2] for i in range(0, len(PINNED), 2)]  # (flag, value)
+    flags = [part for pair in pairs if precision or pair[0] != "--precision" for part in pair]
     return [f"--{side}-flag={flag}" for side in ("a", "b") for flag in flags]
 
 
