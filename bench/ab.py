@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.service_bench import _choices as describe
-from bench.service_bench import served_choices
+from bench.service_bench import served_choices, stat_cpu_s
 from bench.text_bench import WORDS
 from client import SyncEncoderClient
 from client.load import run_load
@@ -64,10 +64,7 @@ def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: fl
 
 def cpu_s(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) of process `pid` and of its main thread, the event loop's."""
-    def read(path: str) -> float:
-        fields = Path(path).read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+    return stat_cpu_s(Path(f"/proc/{pid}/stat")), stat_cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 def default_bundle(source: Path) -> Path:

@@ -174,6 +174,42 @@ def run_one(target: str, concurrency: int, lengths: tuple[int, int], duration: f
                                 lengths=lengths, seed=concurrency, pool_size=512, stream=stream))
 
 
+CPU_KINDS = ("model", "loop", "other")
+
+
+def stat_cpu_s(stat: Path) -> float:
+    """User + system CPU seconds in a /proc .../stat file (a process's or one thread's)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds so far of process `pid`'s live threads by kind ({} without Linux's /proc): `model`, the
+    threads named model-runner* in the OS and those they started, OpenMP's among them
+    (service/batching/threads.py); `loop`, the main thread, which runs the event loop; `other`, the rest
+    (gRPC's poller and timers, the metrics server)."""
+    cpu = dict.fromkeys(CPU_KINDS, 0.0)
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return {}
+    for task in tasks:
+        try:
+            comm, seconds = (task / "comm").read_text().strip(), stat_cpu_s(task / "stat")
+        except OSError:
+            continue  # the thread ended meanwhile
+        kind = "loop" if task.name == str(pid) else "model" if comm.startswith("model-runner") else "other"
+        cpu[kind] += seconds
+    return cpu
+
+
+def cpu_split(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float] | None:
+    """Cores (CPU s/s) each kind of thread used between two `thread_cpu_s` readings `seconds` apart."""
+    if not before or not after:
+        return None
+    return {kind: max(0.0, after[kind] - before[kind]) / seconds for kind in CPU_KINDS}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.service_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per load run")
@@ -252,10 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                             order.reverse()
                         bars = [roof.measure(lengths, concurrency)]
                         for arm, address, stream in order:
+                            ours = arm == "service"  # its threads are told apart by name (thread_cpu_s)
+                            cpu_before, started = thread_cpu_s(server.pid) if ours else {}, time.monotonic()
                             report = run_one(address, concurrency, lengths, args.duration, args.warmup, stream)
+                            cpu = cpu_split(cpu_before, thread_cpu_s(server.pid) if ours else {},
+                                            time.monotonic() - started)
                             bars.append(roof.measure(lengths, concurrency))
                             row = _row(arm, precision, batching and arm == "service", lengths, round_, bars[-2:],
-                                       ceiling, report)
+                                       ceiling, report, cpu)
                             results.append(row)
                             print(_line(row), flush=True)
         finally:
@@ -303,16 +343,18 @@ def _choices(served: dict[str, Any]) -> str:
 
 
 def _row(arm: str, precision: str, batching: bool, lengths: tuple[int, int], round_: int, bar: list[float],
-         ceiling: Ceiling, report: BenchReport) -> dict[str, Any]:
+         ceiling: Ceiling, report: BenchReport, server_cpu: dict[str, float] | None = None) -> dict[str, Any]:
     """One load run: its bar is the mean of the in-process measurements right before and after it (at
-    concurrency 1, its throughput is set against the search's best batch; the bar is batch-1 ms)."""
+    concurrency 1, its throughput is set against the search's best batch; the bar is batch-1 ms).
+    `server_cpu`: the service's cores by kind of thread over the run, warm-up included (`cpu_split`)."""
     concurrency, mean = report.concurrency, (bar[0] + bar[1]) / 2
     best = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
     best1 = ceiling.batch1_ms_fixed if lengths == FIXED else ceiling.batch1_ms_mixed
     roof_seq_s = best if concurrency == 1 else mean
     return {"arm": arm, "precision": precision, "batching": batching, "lengths": list(lengths), "round": round_,
             "bar": list(bar), "ceiling_seq_s": roof_seq_s, "ratio": report.sequences_per_s / roof_seq_s,
-            "batch1_ms": mean if concurrency == 1 else best1, **report.to_dict(samples=True)}
+            "batch1_ms": mean if concurrency == 1 else best1, "server_cpu": server_cpu,
+            **report.to_dict(samples=True)}
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -362,8 +404,8 @@ def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[s
               "search's best). `naive` is bench/naive_server.py, run in turn with the service.", "",
               "| server | precision | batching | lengths | conc. | seq/s | tokens/s | bar before / after | of ceiling "
               "| p50 ms | p90 ms | p99 ms | p99/p50 | queue ms | compute ms | batch | padding | errors "
-              "| loadgen CPU s/s |",
-              "|" + "---|" * 19]
+              "| loadgen CPU s/s | server CPU s/s: model / loop / other |",
+              "|" + "---|" * 20]
     for r in results:
         lat, srv = r["latency_ms"], r["server"]
         unit = " ms" if r["concurrency"] == 1 else ""
@@ -374,7 +416,8 @@ def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[s
             f"{r['ratio']:.2f} | {lat['p50']:.1f} | {lat['p90']:.1f} | {lat['p99']:.1f} | "
             f"{lat['p99'] / lat['p50']:.2f} | "
             f"{srv['queue_ms']:.1f} | {srv['compute_ms']:.1f} | {srv['batch_size']:.1f} | "
-            f"{srv['padding_ratio']:.2f} | {sum(r['errors'].values())} | {r['client_cpu']:.2f} |")
+            f"{srv['padding_ratio']:.2f} | {sum(r['errors'].values())} | {r['client_cpu']:.2f} | "
+            f"{_cores(r.get('server_cpu'))} |")
     naive = {(r["precision"], tuple(r["lengths"]), r["concurrency"], r["round"]): r
              for r in results if r.get("arm") == "naive"}
     lines += ["", "Targets (issue 32): medians over the rounds, each round against its own bar and its own naive run:"]
@@ -395,10 +438,21 @@ def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[s
                          + (" (target <= 1.00)" if lengths != FIXED else ""))
             lines.append(line)
         else:
-            lines.append(f"- {name}: throughput {_median_of([r['ratio'] for r in rows], '.2f')} of the ceiling "
-                         f"(target >= 0.95); p99/p50 "
-                         f"{_median_of([r['latency_ms']['p99'] / r['latency_ms']['p50'] for r in rows], '.2f')}")
+            line = (f"- {name}: throughput {_median_of([r['ratio'] for r in rows], '.2f')} of the ceiling "
+                    f"(target >= 0.95); p99/p50 "
+                    f"{_median_of([r['latency_ms']['p99'] / r['latency_ms']['p50'] for r in rows], '.2f')}")
+            split = [r["server_cpu"] for r in rows if r.get("server_cpu")]
+            if split:  # where the machine went, which the ceiling has all for the model
+                model, loop, other = (float(np.median([c[kind] for c in split])) for kind in CPU_KINDS)
+                loadgen = float(np.median([r["client_cpu"] for r in rows]))
+                line += (f"; CPU s/s (medians): the model threads {model:.2f}, the event loop {loop:.2f}, the rest "
+                         f"of the server {other:.2f}, the load generator {loadgen:.2f}")
+            lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+def _cores(cpu: dict[str, float] | None) -> str:
+    return " / ".join(f"{cpu[kind]:.2f}" for kind in CPU_KINDS) if cpu else "-"
 
 
 def _span(lengths: list[int]) -> str:

@@ -7,12 +7,18 @@ stops spinning once its threads outnumber the cores; bench/RESULTS.md). The
 other threads (`workers` > 1, for CPUs) only ever run narrow forwards (each a share of the threads).
 At warm-up they may also run the measurement of the worker split (service/tuning.py); if fewer
 workers are chosen, `shrink` ends the others before the batcher starts.
+
+Each thread carries its Python name into the OS as well (Linux: /proc/<pid>/task/<tid>/comm, `top -H`,
+py-spy), and threads it starts, OpenMP's among them, inherit it: bench/service_bench.py splits the
+server's CPU into the model threads', the event loop's and the rest's by it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,6 +27,18 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _STOP = None
+_PR_SET_NAME = 15  # prctl(2): name the calling thread; 15 bytes and a NUL at most
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread `name` (its first 15 bytes) in the OS too. Best effort: only on Linux, and
+    nothing happens where the C library has no prctl."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 class ModelThreads:
@@ -91,6 +109,7 @@ class ModelThreads:
 
     @staticmethod
     def _serve(inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        name_os_thread(threading.current_thread().name)
         while (fn := inbox.get()) is not _STOP:
             fn()
 

@@ -73,10 +73,12 @@ def _run(arm: str, concurrency: int, round_: int, seq_s: float, p50: float, bar:
 def test_the_table_sets_the_service_against_the_naive_server_of_the_same_round() -> None:
     # c64: service / naive per round 1.25, 1.50, 1.20 (median 1.25; each service run set against the next
     # round's naive run, it would be 1.50). Service / ceiling 0.80, 0.90, 0.80. c1: p50 8 ms against 10 ms and
-    # a 5 ms forward.
+    # a 5 ms forward. The service's runs at c64 say where the CPU went: the model threads 1.5-1.7 cores.
     results = []
     for round_, (service, naive, bar) in enumerate([(100, 80, 125), (90, 60, 100), (120, 100, 150)]):
-        results += [_run("service", 64, round_, service, 50, bar), _run("naive", 64, round_, naive, 60, bar)]
+        cpu = {"model": 1.5 + 0.1 * round_, "loop": 0.2, "other": 0.05}
+        results += [{**_run("service", 64, round_, service, 50, bar), "server_cpu": cpu},
+                    _run("naive", 64, round_, naive, 60, bar)]
     results += [_run("naive", 1, 0, 100, 10.0, 5.0), _run("service", 1, 0, 125, 8.0, 5.0)]
     served = [{"precision": "fp32", "batching": True, "model_workers": 1, "workers_reason": "measured at warm-up ...",
                "max_batch_tokens": 512, "batch_reason": "configured"}]
@@ -93,6 +95,11 @@ def test_the_table_sets_the_service_against_the_naive_server_of_the_same_round()
     assert sum(line.startswith("| naive | fp32 | off | 128 |") for line in table.splitlines()) == 4
     targets = table.split("Targets (issue 32)")[1]
     assert "fp32 fixed c64: throughput 0.80 (0.80, 0.90, 0.80) of the ceiling (target >= 0.95)" in targets
+    assert ("CPU s/s (medians): the model threads 1.60, the event loop 0.20, the rest of the server 0.05, the load "
+            "generator 0.50") in targets
+    assert sum(line.endswith("| 0.50 | 1.70 / 0.20 / 0.05 |") for line in table.splitlines()) == 1  # round 2's
+    assert sum(line.startswith("| naive | fp32 | off | 128 | 64 |") and line.endswith("| 0.50 | - |")
+               for line in table.splitlines()) == 3
     assert ("fp32 fixed c1: p50 minus in-process batch-1 latency +3.00 ms (target <= +1.0 ms); server-side compute "
             "1.00 ms, in-process batch-1 5.00 ms; p50 over the naive server's 0.80") in targets
 

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -229,3 +230,30 @@ async def test_side_work_runs_after_the_answers_narrow_and_a_lone_call_goes_to_t
                              ("model-runner-0", True, [3]), ("model-runner-0", True, [4]),
                              ("model-runner-0", True, [5])]
     assert [s[2] for s in sides] == [[1], [4]]
+
+
+def _os_name() -> str:
+    """The calling thread's name as the OS has it (Linux)."""
+    return Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_each_model_thread_carries_its_name_into_the_os_and_threads_it_starts_inherit_it():
+    """As OpenMP's threads do: bench/service_bench.py counts their CPU as the model's by this name."""
+    def started_thread_name() -> str:
+        names: list[str] = []
+        child = threading.Thread(target=lambda: names.append(_os_name()))
+        child.start()
+        child.join(10)
+        return names[0]
+
+    threads = ModelThreads(2)
+    threads.start()
+    try:
+        names = [threads.submit(worker, _os_name).result(timeout=10) for worker in (0, 1)]
+        inherited = threads.submit(1, started_thread_name).result(timeout=10)
+    finally:
+        threads.close()
+    assert names == ["model-runner-0", "model-runner-1"]
+    assert inherited == "model-runner-1"
+    assert not _os_name().startswith("model-runner")  # the caller's own name is untouched
