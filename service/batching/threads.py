@@ -30,7 +30,7 @@ _STOP = None
 _PR_SET_NAME = 15  # prctl(2): name the calling thread; 15 bytes and a NUL at most
 
 
-def name_os_thread(name: str) -> None:
+def _name_os_thread(name: str) -> None:
     """Give the calling thread `name` (its first 15 bytes) in the OS too. Best effort: only on Linux, and
     nothing happens where the C library has no prctl."""
     if sys.platform != "linux":
@@ -109,7 +109,7 @@ class ModelThreads:
 
     @staticmethod
     def _serve(inbox: queue.SimpleQueue[Callable[[], None] | None]) -> None:
-        name_os_thread(threading.current_thread().name)
+        _name_os_thread(threading.current_thread().name)
         while (fn := inbox.get()) is not _STOP:
             fn()
 
