@@ -87,6 +87,27 @@ def summarise(rows: list[dict[str, Any]], t0: float, warmup_s: float) -> dict[st
     }
 
 
+def fault_call(rng: np.random.Generator, n: int, length: int, leak_every: int) -> tuple[np.ndarray, float, bool]:
+    """The soak's fault mix (here and in tests/reliability/test_soak.py) for a caller's `n`th call: `length`
+    token ids of model/faults.py's fault model carrying LEAK every `leak_every`th call, else RAISE (5%), an
+    OOM on batches above one (5%) or an id out of the vocabulary (3%); then a 10 ms deadline for 5% (else
+    10 s) and a cancellation within 10 ms for 5%. Returns (ids, timeout, cancel)."""
+    from model import faults
+
+    ids = rng.integers(1, faults.LEAK, size=length)
+    roll = rng.random()
+    if leak_every and n % leak_every == 0:
+        ids[0] = faults.LEAK
+    elif roll < 0.05:
+        ids[-1] = faults.RAISE
+    elif roll < 0.10:
+        ids[0] = faults.OOM_IF_BATCH_GT_1
+    elif roll < 0.13:
+        ids[0] = 100  # out of vocabulary
+    timeout = 0.01 if rng.random() < 0.05 else 10.0
+    return ids, timeout, bool(rng.random() < 0.05)
+
+
 async def drive(target: str, *, model: str, seconds: float, concurrency: int, lengths: tuple[int, int],
                 vocab: int, leak_every: int, seed: int, connections: int = 1) -> dict[str, int]:
     """Closed-loop Encode calls from `concurrency` callers, spread over `connections` gRPC connections,
@@ -111,18 +132,7 @@ async def drive(target: str, *, model: str, seconds: float, concurrency: int, le
                 timeout = 30.0
                 cancel = False
                 if model == "faults":
-                    ids = rng.integers(1, faults.LEAK, size=length)
-                    roll = rng.random()
-                    if leak_every and n % leak_every == 0:
-                        ids[0] = faults.LEAK
-                    elif roll < 0.05:
-                        ids[-1] = faults.RAISE
-                    elif roll < 0.10:
-                        ids[0] = faults.OOM_IF_BATCH_GT_1
-                    elif roll < 0.13:
-                        ids[0] = 100  # out of vocabulary
-                    timeout = 0.01 if rng.random() < 0.05 else 10.0
-                    cancel = rng.random() < 0.05
+                    ids, timeout, cancel = fault_call(rng, n, length, leak_every)
                 else:
                     ids = rng.integers(0, vocab, size=length)
                 request = pb.EncodeRequest(sequences=[pb.Sequence(token_ids=to_tensor(ids.astype(np.int64)))])

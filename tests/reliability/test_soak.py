@@ -33,6 +33,7 @@ import grpc
 import numpy as np
 import pytest
 
+from bench.soak import fault_call
 from model import faults
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import SERVICE_NAME
@@ -175,19 +176,9 @@ def _callers(target: str, leak_every: int, workers: int, stop: Any, counts: Any,
                 n = 0
                 while not stop.is_set():
                     n += 1
-                    ids = rng.integers(1, faults.LEAK, size=int(rng.integers(1, 65)))
-                    roll = rng.random()
-                    if leak_every and n % leak_every == 0:
-                        ids[0] = faults.LEAK
-                    elif roll < 0.05:
-                        ids[-1] = faults.RAISE
-                    elif roll < 0.10:
-                        ids[0] = faults.OOM_IF_BATCH_GT_1
-                    elif roll < 0.13:
-                        ids[0] = 100  # out of vocabulary
-                    timeout = 0.01 if rng.random() < 0.05 else 10.0
+                    ids, timeout, cancel = fault_call(rng, n, int(rng.integers(1, 65)), leak_every)
                     call = stub.Encode(ids_request(ids), timeout=timeout)
-                    if rng.random() < 0.05:
+                    if cancel:
                         asyncio.get_running_loop().call_later(float(rng.uniform(0, 0.01)), call.cancel)
                     try:
                         await call
