@@ -250,10 +250,10 @@ def one_slice(server: ServerProcess | FloorServer, variant: str, concurrency: in
 # code a callback called: grpc.aio's Cython (cygrpc) or asyncio's C task machinery (`perf` splits those).
 PROFILE_BUCKETS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((name, re.compile(pattern)) for name, pattern in (
     ("metrics", r"prometheus_client/|service/metrics\.py|service/grpc_metrics\.py"),
-    ("response building", r"^(fill_tensor|_response|check_representable) |service/output_range\.py"),
-    ("parsing/validation", r"service/plan\.py|^(parse|from_tensor|ask_of|_input) "),
-    ("batcher handoff", r"service/batching/|^Edge\.compute "),
-    ("handler glue", r"service/(edge|servicer|kserve|security)\.py"),
+    ("response building", r"^(fill_tensor|_response|encode_response|check_representable) |service/output_range\.py"),
+    ("parsing/validation", r"service/plan\.py|^(parse|from_tensor|ask_of|encode_ask|_input) "),
+    ("batcher handoff", r"service/batching/|^(Edge|Calls)\.compute "),
+    ("handler glue", r"service/(edge|servicer|kserve|security)\.py|service/doors/"),
     ("model", r"service/runner\.py|torch/"),
     ("gRPC (Python)", r"grpc/"),
     ("event loop", r"asyncio/|selectors\.py"),

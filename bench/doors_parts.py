@@ -27,10 +27,27 @@ from service.batching import Done
 from service.batching.choice import choose_batch
 from service.batching.types import BatchLimits
 from service.config import ServiceConfig
-from service.doors.attention_v1 import _response
-from service.doors.attention_v1 import plan_request as validate
 from service.jobs import ModelSpec, Output
 from service.metrics import Metrics
+
+try:
+    from service.doors.attention_wire import NAMES, encode_ask, encode_response, response_bytes
+    from service.doors.calls import Ran
+    from service.plan import plan
+
+    def validate(request: Any, spec: ModelSpec, config: ServiceConfig) -> Any:
+        return plan(encode_ask(request, spec, config), spec, config, NAMES, response_bytes)
+
+    def respond(plan: Any, done: list[Done], spec: ModelSpec) -> Any:
+        return encode_response(Ran(plan, spec, done, [d.output for d in done]))
+except ImportError:  # a tree from before the one call path (issue 38)
+    from service.doors.attention_v1 import _response  # type: ignore[attr-defined,no-redef]
+    from service.doors.attention_v1 import plan_request as validate  # type: ignore[attr-defined,no-redef]
+
+    def respond(plan: Any, done: list[Done], spec: ModelSpec) -> Any:
+        # Before long inputs (issue 21) the response took no per-sequence outputs.
+        outputs = ([d.output for d in done],) if len(inspect.signature(_response).parameters) == 4 else ()
+        return _response(plan, done, *outputs, spec)
 
 
 def parts() -> list[tuple[str, Callable[[], Any]]]:
@@ -44,14 +61,11 @@ def parts() -> list[tuple[str, Callable[[], Any]]]:
     done = [Done(Output(np.zeros((16, 32), np.float32), None, None, False), 0.001, 0.001, 8, 16)]
     metrics = Metrics(CollectorRegistry())
     limits = BatchLimits(max_batch_tokens=1024, max_batch_size=64)
-    # Before long inputs (issue 21) the response took no per-sequence outputs: both trees run this.
-    outputs = ([d.output for d in done],) if len(inspect.signature(_response).parameters) == 4 else ()
-    response_args = (plan, done, *outputs, spec)
     ages8 = [0.001 * i for i in range(8, 0, -1)]  # oldest first
     return [
         ("parse + validate, one 16-id sequence (event loop, per call)", lambda: validate(parse(raw), spec, config)),
         ("build and serialize the response (event loop, per call)",
-         lambda: _response(*response_args).SerializeToString()),
+         lambda: respond(plan, done, spec).SerializeToString()),
         ("attention_requests_total + duration (per call)", lambda: metrics.observe_request("Encode", "OK", 0.01)),
         ("choose_batch, 4 mixed lengths (model thread, per batch)",
          lambda: choose_batch([16, 17, 18, 19], [0.004, 0.003, 0.002, 0.001], limits)),

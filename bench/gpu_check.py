@@ -68,7 +68,7 @@ from bench.gpu_model import PRESETS, ceiling, cell, fmt, model_table, phase_mode
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("grpc", "grpc_health", "grpc_reflection", "grpc_status", "google.protobuf", "google.rpc",
             "prometheus_client", "numpy", "tqdm", "pytest", "pytest_asyncio", "pytest_timeout", "hypothesis",
-            "tritonclient.grpc",  # the KServe v2 front door's stubs (service/doors/kserve_v2.py)
+            "tritonclient.grpc",  # the KServe v2 front door's stubs (service/doors/kserve/)
             "tokenizers", "safetensors")  # text bundles; convert-hf (the minilm phase)
 MINILM_SHARE = 0.2  # of the budget, kept for the minilm phase when its folder is there
 # The project's pytest plugins and no others (a GPU image may hold xdist, cov, benchmark ...).

@@ -99,7 +99,7 @@ class ServiceConfig:
     default_timeout_s: float = _opt(30.0, "deadline applied to calls that carry none (a caller's own is kept); "
                                           "also bounds the wait for a unary call's request message")
     max_stream_inflight: int = _opt(64, "requests one EncodeStream may have in flight")
-    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/doors/front.py)
+    # Connection limits (grpc core, per HTTP/2 connection; see grpc_options in service/doors/grpc_server.py)
     max_concurrent_streams: int = _opt(
         1024, "calls one connection may have open at once (about 14 KB of server memory each while open); "
               "past it some calls fail UNAVAILABLE (REFUSED_STREAM, never seen by a handler: safe to retry), "

@@ -37,7 +37,7 @@ FAILURE_REASONS = (*dict.fromkeys(REASON_OF.values()), "internal")
 DROP_REASONS = ("cancelled", "deadline", "shutting_down")
 METHODS = ("Encode", "EncodeStream")
 # The front doors' inference methods: the calls KServe's ModelStatistics counts (both doors, model-wide).
-# Calls counted in ModelStatistics: both gRPC doors' and the HTTP door's (service/doors/http/door.py names them).
+# Calls counted in ModelStatistics: both gRPC doors' and the HTTP door's (service/doors/http/server.py names them).
 INFER_METHODS = ("Encode", "EncodeStream", "ModelInfer", "ModelStreamInfer", "POST /v1/embeddings", "POST /embed",
                  "POST /embed_all", "POST /v1/encode", "POST /v2/models/{model}/infer",
                  "POST /v2/models/{model}/versions/{version}/infer")
@@ -59,7 +59,7 @@ class Timing:
 
 @dataclass(frozen=True)
 class ModelCounts:
-    """The service's own numbers behind KServe's ModelStatistics (service/doors/kserve_v2.py), model-wide:
+    """The service's own numbers behind KServe's ModelStatistics (service/doors/kserve/core.py), model-wide:
     both front doors' inference calls (`INFER_METHODS`), every batch and every forward."""
 
     sequences: int = 0  # encoded successfully (a chunked row: one per window)

@@ -1,9 +1,10 @@
 """One call, as every front door describes it (`Ask`), -> its validated `Plan`, before anything is queued.
 
-Each door decodes its own wire (attention.v1 protobuf, KServe v2, HTTP JSON) into an `Ask`, calls
-`plan_call` with its own field names (`Names`) and its own response-size function, runs `plan.jobs`
-through `Calls.compute`, and encodes the outputs. A new request option is added here once, then in
-each door's decode and encode.
+Each door decodes its own wire (attention.v1 protobuf, KServe v2, HTTP JSON) into an `Ask` and hands it,
+with its own field names (`Names`) and its own response-size function, to the shared call layer
+(service/doors/calls.py `Calls.run`), which plans it here, runs the plan's jobs and finishes their outputs
+(`Plan.finish`); the door encodes the result. A new request option is added here once, then in each door's
+decode and encode.
 
 Every check names the door's field (and index); one bad sequence fails its own call with
 INVALID_ARGUMENT and never reaches a batch. Text is tokenized here (the batcher only ever sees token
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from proto.attention.v1.sizes import tensor_field
 from service.chunking import (
     CHUNK,
     ERROR,
@@ -92,6 +93,7 @@ class Ask:
     query: str | None = None
     top_n: int | None = None
     sparse: tuple[int, float] | None = None  # embed: a SPLADE vector per sequence, (top_k (0: all), threshold)
+    raw_scores: bool = False  # classify and rerank: the logits themselves, not their softmax or sigmoid
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,7 @@ class Plan:
     truncated: tuple[bool, ...] = ()  # per sequence, when the call cut ids or embeddings: whether it did
     task: str = "embed"  # a head's task: each job's Output.scores hold its logits (service/tasks.py)
     top_n: int = 0  # rerank: how many of the ranked texts to answer
+    raw_scores: bool = False  # classify and rerank: the logits as scores (service/tasks.py)
     sparse: tuple[int, float] | None = None  # embed: (top_k, threshold) of each sequence's sparse vector
     vectors: Vectors | None = None  # the pooled vectors' dimensions and quantization; None: as computed
 
@@ -341,36 +344,16 @@ def plan_head(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, re
     if ask.chunk_stride:
         raise InvalidInput(names.chunk_stride, f"applies to chunked embeddings, not to {ask.task}")
     truncate = ask.long_inputs == TRUNCATE or (ask.truncate and ask.long_inputs is None)
-    chars = sum(len(p) if isinstance(p, str) else len(p[0]) + len(p[1]) for p in pairs)
-    if chars > config.max_text_chars:
-        raise InvalidInput(names.texts, f"{chars} characters of text in all (a query counted once per text); "
-                           f"at most {config.max_text_chars} per call")
-    tokenizer = spec.tokenizer
-    singles = [i for i, p in enumerate(pairs) if isinstance(p, str)]
-    doubles = [i for i, p in enumerate(pairs) if isinstance(p, tuple)]
-    encoded: list[Encoded | None] = [None] * len(pairs)
-    for where, got in ((singles, tokenizer.encode([str(pairs[i]) for i in singles], truncate=truncate)),
-                       (doubles, tokenizer.encode_pairs([pairs[i] for i in doubles  # type: ignore[misc]
-                                                         ], truncate=truncate))):
-        for i, enc in zip(where, got, strict=True):
-            encoded[i] = enc
-    limit = tokenizer.settings.max_tokens
+    encoded = tokenize(pairs, spec, config, fields=[names.of(i, _kind(ask.inputs[i])) for i in range(len(pairs))],
+                       truncate=truncate, all_field=names.texts, counted=" (a query counted once per text)"
+                       if ask.task == "rerank" else "", hint="shorten it, or set truncate to cut it")
     total = 0
     jobs: list[Job] = []
     layers = _attention_layers(ask, spec, config, names)
     if ask.heads not in HEADS:
         raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
     attention_dtype = _float(ask.attention_dtype, names.attention_dtype)
-    for i, one in enumerate(encoded):
-        assert one is not None
-        enc = one
-        field = names.of(i, _kind(ask.inputs[i]))
-        if len(enc.ids) > limit:
-            raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's limit "
-                               f"of {limit}; shorten it, or set truncate to cut it")
-        if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
-            raise InvalidInput(field, f"the tokenizer gave id {int(enc.ids.max())}, outside the model's "
-                               f"vocabulary of {spec.vocab_size}")
+    for enc in encoded:
         total += len(enc.ids)
         types = enc.type_ids if spec.pair_types and enc.type_ids is not None and enc.type_ids.any() else None
         jobs.append(Job(token_ids=enc.ids, embeddings=None, attn_layers=layers, heads_mean=ask.heads == "mean",
@@ -379,7 +362,7 @@ def plan_head(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, re
         raise InvalidInput(names.sequences, f"{total} tokens in all; at most {config.max_tokens_per_call} per call")
     top_n = ask.top_n if ask.top_n is not None else len(jobs)
     fitted = Plan(ask.request_id, jobs, "float32", attention_dtype, tuple(encoded), ask.return_tokens,
-                  task=ask.task, top_n=top_n)
+                  task=ask.task, top_n=top_n, raw_scores=ask.raw_scores)
     _check_sizes(fitted, spec, config, names, response_size)
     return fitted
 
@@ -390,8 +373,8 @@ def head_response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
     labels = sum(len(label.encode()) + 16 for label in spec.labels) or 16
     texts = sum(16 + 8 * job.length for job in plan.jobs) if plan.return_tokens else 0
     attention = attention_bytes(plan, spec)
-    per_attention = sum(_tensor_field((len(j.attn_layers), 1 if j.heads_mean else spec.n_heads, j.length, j.length),
-                                      ITEMSIZE[plan.attention_dtype]) for j in plan.jobs if j.attn_layers)
+    per_attention = sum(tensor_field((len(j.attn_layers), 1 if j.heads_mean else spec.n_heads, j.length, j.length),
+                                     ITEMSIZE[plan.attention_dtype]) for j in plan.jobs if j.attn_layers)
     total = 256 + len(plan.jobs) * (32 + labels) + texts + per_attention
     return Sizes(attention, total)
 
@@ -519,30 +502,42 @@ def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs
     return tuple(out)
 
 
-def tokenize(texts: Sequence[str], spec: ModelSpec, config: ServiceConfig, *, fields: Sequence[str], truncate: bool,
-             prompt_name: str = "", all_field: str = "sequences",
-             prompt_field: str = "output.prompt_name", keep_long: bool = False) -> list[Encoded]:
-    """`texts` -> token ids with the model's tokenizer, every limit checked: the characters of the call
-    before tokenizing, each text's tokens (over the limit: refused, cut with `truncate`, or kept whole
-    with `keep_long`, to be chunked) and the ids against the vocabulary after. `fields` name each text
-    in errors; the front doors share this (Tokenize too)."""
+def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: ServiceConfig, *,
+             fields: Sequence[str], truncate: bool, prompt_name: str = "", all_field: str = "sequences",
+             prompt_field: str = "output.prompt_name", keep_long: bool = False, counted: str = "",
+             hint: str = "shorten it, or set truncate to cut it (or chunk it)") -> list[Encoded]:
+    """`texts` (each a text, or a pair of texts as the model's tokenizer pairs them) -> token ids with the
+    model's tokenizer, every limit checked: the characters of the call before tokenizing (`counted` says
+    how, in the message), each sequence's tokens (over the limit: refused, cut with `truncate`, or kept
+    whole with `keep_long`, to be chunked) and the ids against the vocabulary after. `fields` name each
+    sequence in errors. The one tokenization of every call: encoding, head tasks and Tokenize."""
     tokenizer = spec.tokenizer
     takes_text(spec, fields[0])
     assert tokenizer is not None
-    chars = sum(len(text) for text in texts)
+    chars = sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in texts)
     if chars > config.max_text_chars:
-        raise InvalidInput(all_field, f"{chars} characters of text in all; at most {config.max_text_chars} per call")
+        raise InvalidInput(all_field, f"{chars} characters of text in all{counted}; at most {config.max_text_chars} "
+                           "per call")
     try:
         prompt = tokenizer.prompt(prompt_name)
     except KeyError:
         raise InvalidInput(prompt_field, f"unknown prompt {shown(prompt_name)}; the model has "
                            f"{sorted(tokenizer.settings.prompts)}") from None
-    encoded = tokenizer.encode(texts, truncate=truncate, prompt=prompt)
+    singles = [i for i, t in enumerate(texts) if isinstance(t, str)]
+    if len(singles) == len(texts):  # the common call
+        encoded = tokenizer.encode([str(t) for t in texts], truncate=truncate, prompt=prompt)
+    else:
+        doubles = [i for i, t in enumerate(texts) if isinstance(t, tuple)]
+        found: dict[int, Encoded] = dict(zip(singles, tokenizer.encode([str(texts[i]) for i in singles],
+                                                                      truncate=truncate, prompt=prompt), strict=True))
+        found.update(zip(doubles, tokenizer.encode_pairs([texts[i] for i in doubles],  # type: ignore[misc]
+                                                         truncate=truncate), strict=True))
+        encoded = [found[i] for i in range(len(texts))]
     limit = tokenizer.settings.max_tokens
     for field, enc in zip(fields, encoded, strict=True):
         if len(enc.ids) > limit and not keep_long:
             raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's "
-                               f"limit of {limit}; shorten it, or set truncate to cut it (or chunk it)")
+                               f"limit of {limit}; {hint}")
         if len(enc.ids) and int(enc.ids.max()) >= spec.vocab_size:
             raise InvalidInput(field, f"the tokenizer gave id {int(enc.ids.max())}, outside the model's "
                                f"vocabulary of {spec.vocab_size}")
@@ -635,63 +630,3 @@ def attention_bytes(plan: Plan, spec: ModelSpec, padded_to: int | None = None) -
     heads = 1 if first.heads_mean else spec.n_heads
     total = sum(len(job.attn_layers) * heads * (padded_to or job.length) ** 2 for job in plan.sequences)
     return total * ITEMSIZE[plan.attention_dtype]
-
-
-def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
-    """attention.v1: the attention bytes, and an upper bound on the serialized EncodeResponse: the
-    tensor bytes plus every tag, length prefix, shape and metadata field (what grpcio's send limit
-    counts). Within a few bytes per sequence of the real size: only the varints of the timings and
-    batch facts are taken at their widest."""
-    out_size, att_size = ITEMSIZE[plan.output_dtype], ITEMSIZE[plan.attention_dtype]
-    D = spec.d_model
-    pooled_values, pooled_size = plan.pooled_size(D)
-    total = _field(len(plan.request_id.encode()))
-    for job in plan.sequences:
-        T = job.length
-        body = 2  # nonfinite = true
-        if job.return_hidden:
-            body += _tensor_field((T, D), out_size)
-        if job.pooling:
-            body += _tensor_field((pooled_values,), pooled_size)
-        if job.attn_layers:
-            heads = 1 if job.heads_mean else spec.n_heads
-            body += _tensor_field((len(job.attn_layers), heads, T, T), att_size)
-        if plan.sparse is not None:  # packed int32 indices (at most 5 bytes each) and float values
-            entries = min(plan.sparse[0] or spec.vocab_size, spec.vocab_size)
-            body += _field(_field(5 * entries) + _field(4 * entries))
-        total += _field(body)
-    if plan.chunks:  # SequenceOutput.windows, and a byte of slack for its output's length prefix
-        total += sum(2 + _varint(len(c.starts)) for c in plan.chunks if c is not None)
-    total += _metadata_field(spec.precision, spec.device, spec.name, spec.version)
-    return Sizes(attention_bytes(plan, spec), total)
-
-
-@functools.lru_cache(maxsize=16)
-def _metadata_field(*texts: str) -> int:
-    """The ResponseMetadata field: queue_us, compute_us (int64), batch_size, padded_length (int32 >= 0),
-    fp32_retry, then the strings (the model's: the same on every call, hence the cache)."""
-    return _field(2 * 11 + 2 * 6 + 2 + sum(_field(len(text.encode())) for text in texts))
-
-
-def _varint(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)
-
-
-def _field(length: int) -> int:
-    """A length-delimited field of `length` bytes: tag, length prefix, payload."""
-    return 1 + _varint(length) + length
-
-
-# Shapes repeat (a few lengths, one d_model), and the size is computed for every sequence of every call.
-@functools.lru_cache(maxsize=4096)
-def _tensor_field(shape: tuple[int, ...], itemsize: int) -> int:
-    """`_tensor` as a field of its parent."""
-    return _field(_tensor(shape, itemsize))
-
-
-def _tensor(shape: tuple[int, ...], itemsize: int) -> int:
-    """An attention.v1.Tensor's body: dtype (never 0 here), packed shape, data."""
-    count = 1
-    for d in shape:
-        count *= d
-    return 2 + _field(sum(_varint(d) for d in shape)) + _field(count * itemsize)

@@ -35,7 +35,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.doors.front import grpc_options, ledger
+from service.doors.grpc_server import grpc_options, ledger
+from service.doors.ports import port_error
 from service.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -58,6 +59,28 @@ class Front(Protocol):
 
     async def closed(self, margin: float) -> None:
         """Stop accepting and wait until closed (called once the model has answered what it admitted)."""
+
+
+class Fronts:
+    """Several fronts drained as one (the gRPC server and the HTTP door of one process)."""
+
+    def __init__(self, *fronts: Front | None) -> None:
+        self._fronts = [f for f in fronts if f is not None]
+
+    def announce(self, grace: float) -> None:
+        for front in self._fronts:
+            front.announce(grace)
+
+    def refuse(self) -> None:
+        for front in self._fronts:
+            front.refuse()
+
+    def close(self, grace: float) -> None:
+        for front in self._fronts:
+            front.close(grace)
+
+    async def closed(self, margin: float) -> None:
+        await asyncio.gather(*(front.closed(margin) for front in self._fronts))
 
 
 class Lifecycle:
@@ -153,14 +176,6 @@ def start_metrics(config: ServiceConfig, registry: CollectorRegistry) -> Any:
         setting = "ATTN_METRICS_PORT / --metrics-port"
         raise OSError(port_error("metrics", host, config.metrics_port, exc, setting)) from None
     return httpd
-
-
-def port_error(what: str, host: str, port: int, exc: BaseException | str, setting: str) -> str:
-    """One line for a port that cannot be had: which, why, and the setting that moves it."""
-    reason = exc if isinstance(exc, str) else (getattr(exc, "strerror", None) or str(exc))
-    in_use = "in use" in str(reason).lower() or "held by" in str(reason)
-    return (f"{what} port {host}:{port} {'is already in use' if in_use else 'cannot be bound'} ({reason}); "
-            f"choose another with {setting}, or stop what holds it")
 
 
 def health_server(config: ServiceConfig, servicer: health.aio.HealthServicer) -> tuple[grpc.aio.Server, int]:

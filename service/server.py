@@ -23,14 +23,16 @@ from prometheus_client import CollectorRegistry
 
 from service.batching import Batcher
 from service.config import ServiceConfig
-from service.doors.calls import Calls, Serving
-from service.doors.front import Front, GrpcFront, build_front
-from service.doors.http.door import Fronts, HttpDoor, HttpFront
+from service.doors.build import Doors, build_doors
+from service.doors.calls import Calls, Model, Serving
+from service.doors.grpc_server import GrpcFront
+from service.doors.http.server import HttpDoor, HttpFront
+from service.doors.ports import port_error
 from service.engine import Engine
 from service.fault_hooks import FaultHooks
 from service.jobs import Job
 from service.metrics import Metrics
-from service.process import Lifecycle, port_error, run, signal_queue
+from service.process import Fronts, Lifecycle, run, signal_queue
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +50,16 @@ class Server:
         self.hooks = FaultHooks.from_config(config)
         self.engine = Engine(config, self.metrics, self.hooks)
         self.threads = self.engine.threads
-        calls = Calls(config, self.serving, self.metrics)
-        front = build_front(config, calls, self.metrics, self.health, self.engine.workers)
-        self.grpc, self.port = front.grpc, front.port
-        self.servicer, self.kserve = front.servicer, front.kserve
-        # The HTTP door (docs/http.md): the same calls, doors and metrics, on its own port, drained with gRPC.
-        self.http: HttpDoor | None = None
-        if config.http_port >= 0:
-            self.http = HttpDoor(config, calls, self.metrics, front.servicer, front.kserve)
-            log.info("HTTP port %d: %s; bearer tokens as the gRPC port's", self.http.port,
-                     "TLS" if self.http.tls else "plaintext")
+        # Every door over one call layer; the HTTP door (docs/http.md) on its own port, drained with gRPC.
+        doors = build_doors(config, Calls(config, self.serving, self.metrics), self.health, self.engine.workers)
+        self.grpc, self.port = doors.grpc.server, doors.grpc.port
+        self.http: HttpDoor | None = doors.http
         self.http_port = self.http.port if self.http is not None else 0
-        self._front = Fronts(GrpcFront(front.grpc, self.serving),
+        self._front = Fronts(GrpcFront(self.grpc, self.serving),
                              HttpFront(self.http, self.serving) if self.http is not None else None)
         if self.hooks.armed:
             log.warning("fault hooks armed (test builds only): %s", self.hooks.armed)
-        log_front(config, front, self.lifecycle.health_port)
+        log_doors(config, doors, self.lifecycle.health_port)
         self._startup: asyncio.Task[None] | None = None
 
     @property
@@ -96,7 +92,7 @@ class Server:
 
     async def _load_and_warm(self) -> None:
         batcher, spec = await self.engine.load()
-        self.serving.batcher, self.serving.spec = batcher, spec
+        self.serving.served = Model(spec, batcher)
         await self.lifecycle.serving({"port": self.port, "http_port": self.http_port})
         log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, self.config.host, self.port,
                  spec.device, spec.precision)
@@ -107,13 +103,17 @@ class Server:
         await self.lifecycle.drain(grace, self._front, self.engine, self._startup)
 
 
-def log_front(config: ServiceConfig, front: Front, health_port: int) -> None:
-    if front.tls and health_port == 0:
+def log_doors(config: ServiceConfig, doors: Doors, health_port: int) -> None:
+    grpc = doors.grpc
+    if grpc.tls and health_port == 0:
         log.warning("TLS on and no plaintext health port: probes that cannot speak TLS will fail")
-    log.info("gRPC port %d: %s; %s; reflection %s; health port %s", front.port,
-             ("mutual TLS" if config.tls_client_ca else "TLS") if front.tls else "plaintext",
-             f"bearer tokens required ({front.tokens} configured)" if front.tokens else "no token auth",
+    log.info("gRPC port %d: %s; %s; reflection %s; health port %s", grpc.port,
+             ("mutual TLS" if config.tls_client_ca else "TLS") if grpc.tls else "plaintext",
+             f"bearer tokens required ({grpc.tokens} configured)" if grpc.tokens else "no token auth",
              "on" if config.reflection else "off", health_port or "off")
+    if doors.http is not None:
+        log.info("HTTP port %d: %s; bearer tokens as the gRPC port's", doors.http.port,
+                 "TLS" if doors.http.tls else "plaintext")
 
 
 def build_server(config: ServiceConfig, registry: CollectorRegistry) -> tuple[Server, int]:

@@ -1,14 +1,18 @@
-"""The edge every front door shares: readiness, a call's time budget, admission into the batcher, and
-a call's outcome (error type -> status, cancellation, deadline).
+"""The shared call layer every front door stands on: which model a call runs on, and one run of it.
 
-One path for all of them: `Calls.compute` admits a call's jobs and waits for their results;
-`Calls.answer` runs a unary handler's work and turns whatever it raised into the caller's status;
-`Calls.failure` is what a failed request (unary, or one message of a stream) counts and reports;
-`Calls.stream` is a bidirectional stream's loop and `Calls.answer_in_stream` one request's outcome in it.
-Every exception is mapped: `ServiceError`s by `errors.status_of`, anything else to INTERNAL with a
-reference id (the traceback is logged, never sent). Our own `CancelledError`s never escape a
-handler (a caller would hang until its deadline, grpc/grpc#29248). The final status code of an RPC is
-counted in one place, service/doors/grpc_metrics.py, which reads it from the call's context.
+A door is three steps: decode its wire into the door-neutral `Ask` (service/plan.py), `Calls.run`, encode
+its wire from the `Ran`. `run` is the only place that plans a call and hands it to the batcher:
+
+    readiness (`Serving.model`, by the door, which needs the model's spec to decode) -> plan (tokenizing,
+    windows, limits, the response size; a non-finite input counted) -> admission and the wait for the
+    results (`compute`) -> the output stage (`Plan.finish`: windows stitched, vectors cut and quantized)
+    -> the output check (a result the asked dtype cannot hold is refused) -> the task's answer (label
+    scores, rerank scores and their ranking), in `Ran`.
+
+`tokenize` is the one tokenization a door asks for without encoding (attention.v1 Tokenize, TEI /tokenize).
+`failure` maps whatever a call raised to the error its caller sees, counted once; the gRPC doors' answer
+and stream loops are service/doors/rpc.py's, the HTTP door's its own route wrapper. Nothing here imports
+grpc or aiohttp.
 """
 
 from __future__ import annotations
@@ -16,116 +20,200 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import grpc
-from google.protobuf import any_pb2
-from google.protobuf.message import DecodeError
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+import numpy as np
 
 from service.batching import Done, Item, Request
-from service.batching.types import DEADLINE_SLACK_S
 from service.config import ServiceConfig
 from service.errors import (
     DeadlineExceeded,
     DeadlineUnmeetable,
-    InvalidInput,
     ModelFailure,
+    NonFiniteInput,
+    NotFound,
     NotReady,
-    Overloaded,
     ServiceError,
     ShuttingDown,
     reason_of,
-    status_of,
+    shown,
 )
-from service.jobs import Job, ModelSpec
+from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
+from service.output_range import check_representable
+from service.plan import INLINE_CHARS, Ask, Names, Plan, ResponseSize, check_count, plan_call, tokenize
+from service.tasks import label_scores, ranked, rerank_scores
+
+if TYPE_CHECKING:
+    from model.text import Encoded
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
-
 
 class Admission(Protocol):
-    """What `Calls.compute` admits into: the batcher (service/batching/), or, in an edge process, the
+    """Where a model's calls are admitted: its batcher (service/batching/), or, in an edge process, the
     model process's batcher over its socket (service/multiproc/remote.py)."""
 
     def submit(self, requests: Sequence[Request[Job]], deadline: float) -> list[Item[Job]]: ...
     def cancel(self, items: Sequence[Item[Job]]) -> None: ...
 
 
+@dataclass(frozen=True)
+class Model:
+    """One served model as the doors reach it: what it is, and where its calls are admitted."""
+
+    spec: ModelSpec
+    admission: Admission = field(repr=False)
+
+
 @dataclass
 class Serving:
-    """Readiness, shared by the server (which sets it) and the front doors (which admit by it)."""
+    """Readiness and the served model, shared by the server (which sets them) and the doors (which
+    admit by them)."""
 
-    spec: ModelSpec | None = None  # set once the model is warm, with the batcher that runs it
-    batcher: Admission | None = field(default=None, repr=False)
+    served: Model | None = None  # set once the model is warm, with the admission that runs it
     stopping: bool = False  # a shutdown has begun: not ready, though calls are served until `draining`
     draining: bool = False  # from the end of the drain delay: new calls are refused
 
     @property
     def ready(self) -> bool:
-        """Readiness, as grpc.health.v1 reports it (and KServe's ServerReady/ModelReady, and the
-        attention_ready gauge): the model is warm and no shutdown has begun."""
-        return self.spec is not None and self.batcher is not None and not (self.stopping or self.draining)
+        """Readiness, as grpc.health.v1 reports it (and KServe's ServerReady/ModelReady, the HTTP health
+        routes and the attention_ready gauge): the model is warm and no shutdown has begun."""
+        return self.served is not None and not (self.stopping or self.draining)
 
-    def require_ready(self) -> tuple[ModelSpec, Admission]:
+    @property
+    def spec(self) -> ModelSpec | None:
+        """The served model's spec, ready or not (None while loading)."""
+        return self.served.spec if self.served is not None else None
+
+    def model(self, name: str = "") -> Model:
+        """The model a call names ("": the default), or the error its caller gets: UNAVAILABLE while
+        loading or draining, NOT_FOUND for a name this service does not serve."""
         if self.draining:
             raise ShuttingDown("server shutting down; retry on another replica")
-        if self.spec is None or self.batcher is None:
+        served = self.served
+        if served is None:
             raise NotReady("model loading or warming up; retry shortly")
-        return self.spec, self.batcher
+        if name and name != served.spec.name:
+            raise NotFound(f"model {shown(name)} is not served here; this service serves {served.spec.name!r}")
+        return served
+
+    def require_serving(self) -> None:
+        """Readiness as a health route reports it: UNAVAILABLE while loading, and from the drain's start."""
+        self.model()
+        if not self.ready:
+            raise NotReady("not serving: draining for shutdown")
 
 
-def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
-    """Whether the caller's deadline has passed (the one deadline predicate of the service), within
-    DEADLINE_SLACK_S: a cancellation that close to it is the caller's own deadline timer."""
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= DEADLINE_SLACK_S
+class Batch(NamedTuple):
+    """What a call's response says of how it ran: the widest batch that carried one of its sequences."""
+
+    queue_s: float
+    compute_s: float
+    batch_size: int
+    padded_length: int
+    fp32_retry: bool
 
 
-def cancel_code(context: grpc.aio.ServicerContext) -> str:
-    """The code of a call that grpcio ended under us: the status our handler had already sent (a stopping
-    server cancels every handler still running, one that has just answered "shutting down" too), else
-    its deadline passed, or its caller left."""
-    sent = context.code()
-    if sent is not None and sent != grpc.StatusCode.OK:
-        name: str = (sent if isinstance(sent, grpc.StatusCode) else grpc.StatusCode(sent)).name
-        return name
-    return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
+@dataclass(frozen=True)
+class Ran:
+    """One call, run: its plan, every job's `Done` (a chunked sequence's windows each), one finished
+    output per sequence of the call, and a task's answer."""
+
+    plan: Plan
+    spec: ModelSpec
+    done: list[Done]
+    outputs: list[Output]
+    labels: list[np.ndarray] | None = None  # classify: each sequence's label scores, in the model's label order
+    scores: list[float] | None = None  # rerank: each text's score, in the call's order
+    ranking: list[int] | None = None  # rerank: the top_n texts' indices, highest score first
+
+    @property
+    def batch(self) -> Batch:
+        done = self.done
+        if len(done) == 1:  # the common call: no scans
+            d = done[0]
+            return Batch(d.queue_s, d.compute_s, d.batch_size, d.padded_length, d.output.fp32_rerun)
+        widest = max(done, key=lambda d: d.batch_size)
+        return Batch(max(d.queue_s for d in done), max(d.compute_s for d in done), widest.batch_size,
+                     widest.padded_length, any(d.output.fp32_rerun for d in done))
+
+    @property
+    def logits(self) -> list[np.ndarray]:
+        """A head task's raw scores, one array per sequence (classify: [labels]; rerank: [1]; sparse: [vocab])."""
+        out = [o.scores for o in self.outputs]
+        assert all(x is not None for x in out), "a head's scores are missing. This is a bug."
+        return [x for x in out if x is not None]
 
 
-def remaining(context: grpc.aio.ServicerContext, config: ServiceConfig) -> float:
-    """Seconds this call may take: the caller's deadline, or `default_timeout_s` when it set none
-    (`time_remaining()` is None then: never taken as 0). A caller's longer deadline is honoured."""
-    left = context.time_remaining()
-    return config.default_timeout_s if left is None else left
+Check = Callable[[Plan, Sequence[Output]], None]
 
 
-def being_cancelled() -> bool:
-    """True when this task itself is being cancelled (by grpcio: caller gone or deadline passed),
-    False when a CancelledError came from a future our own code cancelled."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+def check_dtypes(plan: Plan, outputs: Sequence[Output]) -> None:
+    """The default output check: hidden, pooled and attention values the call's dtypes can hold."""
+    check_representable(outputs, plan.output_dtype, plan.attention_dtype)
 
 
 class Calls:
+    """The shared call layer of one process (see the module docstring)."""
+
     def __init__(self, config: ServiceConfig, serving: Serving, metrics: Metrics) -> None:
         self.config = config
         self.serving = serving
-        self._metrics = metrics
+        self.metrics = metrics
 
-    async def compute(self, jobs: Sequence[Job], seconds: float) -> list[Done]:
+    def model(self, name: str = "") -> Model:
+        """The model a call names, ready (`Serving.model`)."""
+        return self.serving.model(name)
+
+    async def run(self, model: Model, ask: Ask, names: Names, response_size: ResponseSize, seconds: float,
+                  check: Check = check_dtypes) -> Ran:
+        """Plan `ask` on `model`, compute it within `seconds`, finish and check its outputs, and answer its
+        task (the module docstring). Raises the `ServiceError` its caller gets."""
+        spec = model.spec
+        try:
+            plan = await plan_call(ask, spec, self.config, names, response_size)
+        except NonFiniteInput:
+            self.metrics.nonfinite_inputs.inc()
+            raise
+        done = await self.compute(model, plan.jobs, seconds)
+        outputs = plan.finish([d.output for d in done])
+        check(plan, outputs)
+        ran = Ran(plan, spec, done, outputs)
+        if plan.task == "classify":
+            labels = [label_scores(x, spec.problem_type, plan.raw_scores) for x in ran.logits]
+            return Ran(plan, spec, done, outputs, labels=labels)
+        if plan.task == "rerank":
+            scores = rerank_scores(ran.logits, plan.raw_scores)
+            return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
+        return ran
+
+    async def tokenize(self, model: Model, texts: Sequence[str], *, field: str, truncate: bool,
+                       prompt_name: str = "", prompt_field: str = "prompt_name") -> list[Encoded]:
+        """`texts` tokenized as an encoding call would tokenize them (service/plan.py `tokenize`: limits,
+        prompt, truncation, errors naming `field[i]`), in a worker thread when the call is big."""
+        check_count(len(texts), self.config, field, "texts")
+
+        def work() -> list[Encoded]:
+            return tokenize(texts, model.spec, self.config, fields=[f"{field}[{i}]" for i in range(len(texts))],
+                            truncate=truncate, prompt_name=prompt_name, all_field=field, prompt_field=prompt_field)
+
+        if sum(len(t) for t in texts) > INLINE_CHARS:
+            return await asyncio.to_thread(work)
+        return work()
+
+    async def compute(self, model: Model, jobs: Sequence[Job], seconds: float) -> list[Done]:
         """Admit one call's jobs (all or none) and wait up to `seconds` for their results, in order."""
-        _, batcher = self.serving.require_ready()
+        if self.serving.draining:
+            raise ShuttingDown("server shutting down; retry on another replica")
         floor_ms = self.config.min_deadline_ms
         if seconds * 1e3 < floor_ms:  # refuse at the door what could not finish in time
             raise DeadlineUnmeetable(f"deadline too short: {max(seconds, 0) * 1e3:.1f} ms left; "
                                      f"this service needs at least {floor_ms:g} ms")
-        items = batcher.submit([Request(job, job.length, job.key) for job in jobs], time.monotonic() + seconds)
+        admission = model.admission
+        items = admission.submit([Request(job, job.length, job.key) for job in jobs], time.monotonic() + seconds)
         try:
             async with asyncio.timeout(seconds):
                 # One sequence (the common call) awaits its future directly: gather() would add a
@@ -137,97 +225,16 @@ class Calls:
         finally:
             # All of them: a cancelled gather() has already cancelled its futures, but their items
             # may still be queued. Items that ran or are running are left alone.
-            batcher.cancel(items)
-        self._metrics.on_sequences(len(done))
+            admission.cancel(items)
+        self.metrics.on_sequences(len(done))
         return done
 
-    async def answer(self, method: str, context: grpc.aio.ServicerContext,
-                     work: Callable[[], Awaitable[bytes]]) -> bytes:
-        """Run a unary call's `work`; any failure becomes the caller's status (never UNKNOWN)."""
-        try:
-            return await work()
-        except asyncio.CancelledError as exc:
-            if being_cancelled():
-                raise  # the caller cancelled or its deadline passed (grpcio cancels the handler task)
-            error = self.failure(exc, method)  # our own code cancelled something this call awaited
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            error = self.failure(exc, method)
-        try:
-            await context.abort_with_status(grpc_status(error))
-        except grpc.aio.AbortError:
-            raise
-        except Exception:
-            # The call ended (its deadline passed, or the caller left) just as we answered it, so
-            # grpcio cannot send our status; the caller has its own. Not an UNKNOWN: a cancellation.
-            raise asyncio.CancelledError from None
-        raise AssertionError("abort returned. This is a bug.")
-
-    async def stream(self, requests: AsyncIterator[bytes],
-                     one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]:
-        """A bidirectional stream: each request answered by `one` (which answers its own failures, see
-        `answer_in_stream`), in completion order.
-
-        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once:
-        a request holds its slot until its answer is taken for sending, and the answers waiting are
-        bounded too, so a caller that sends and never reads stops being read (HTTP/2 flow control
-        then holds its sends) instead of growing the server's memory."""
-        limit = self.config.max_stream_inflight
-        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit)
-        slots = asyncio.Semaphore(limit)
-        tasks: set[asyncio.Task[None]] = set()
-
-        async def run(raw: bytes) -> None:
-            try:
-                await out.put(await one(raw))
-            finally:
-                slots.release()
-
-        async def read() -> None:
-            try:
-                async for raw in requests:
-                    await slots.acquire()
-                    task = asyncio.create_task(run(raw))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.wait(set(tasks))
-            finally:
-                await out.put(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (item := await out.get()) is not None:
-                yield item
-            await reader  # surfaces a broken request stream
-        finally:
-            for task in (reader, *tasks):
-                task.cancel()
-
-    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
-                               failed: Callable[[ServiceError], bytes]) -> bytes:
-        """One request of a stream: `work()`, or `failed(error)` with the error a caller sees; counted
-        in attention_requests_total. The stream goes on either way (unless the call is being cancelled)."""
-        started = time.perf_counter()
-        try:
-            response, code = await work(), "OK"
-        except Exception as exc:  # every request of the stream gets an answer, whatever failed
-            error = self.failure(exc, method)
-            response, code = failed(error), status_of(error)
-        except asyncio.CancelledError as exc:
-            if being_cancelled():
-                raise
-            error = self.failure(exc, method)
-            response, code = failed(error), status_of(error)
-        self._metrics.observe_request(method, code, time.perf_counter() - started)
-        return response
-
     def failure(self, exc: BaseException, method: str) -> ServiceError:
-        """The error a caller sees for `exc`, counted once in attention_failures_total. `exc` loses its
-        traceback: the caller keeps the error past its except block, and the traceback's frames (holding
-        the request, up to a message's worth of bytes) would otherwise live on in a reference cycle
-        until the garbage collector next runs."""
+        """The error a caller sees for `exc`, counted once in attention_failures_total: a `ServiceError`
+        as it is, anything else INTERNAL with a reference id (the traceback logged, never sent). `exc`
+        loses its traceback: the caller keeps the error past its except block, and the traceback's frames
+        (holding the request, up to a message's worth of bytes) would otherwise live on in a reference
+        cycle until the garbage collector next runs."""
         try:
             return self._failure(exc, method)
         finally:
@@ -235,11 +242,11 @@ class Calls:
 
     def _failure(self, exc: BaseException, method: str) -> ServiceError:
         if isinstance(exc, ServiceError):
-            self._metrics.failures.labels(reason_of(exc)).inc()
+            self.metrics.failures.labels(reason_of(exc)).inc()
             return exc
         if isinstance(exc, asyncio.CancelledError) and self.serving.draining:
             error: ServiceError = ShuttingDown("request aborted: server shutting down; retry on another replica")
-            self._metrics.failures.labels(reason_of(error)).inc()
+            self.metrics.failures.labels(reason_of(error)).inc()
             return error
         if isinstance(exc, asyncio.CancelledError):
             error = ModelFailure("request aborted")
@@ -247,36 +254,12 @@ class Calls:
         else:
             error = ModelFailure("internal error")
             log.error("%s failed (ref=%s)", method, error.ref, exc_info=exc)
-        self._metrics.failures.labels("internal").inc()
+        self.metrics.failures.labels("internal").inc()
         return error
 
 
-def parse(message_type: Any, raw: bytes) -> Any:
-    """A request message from its bytes; malformed bytes are INVALID_ARGUMENT (grpcio would say UNKNOWN)."""
-    try:
-        return message_type.FromString(raw)
-    except (DecodeError, RuntimeError, ValueError):
-        raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
-
-
-def public(message: str) -> str:
-    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 4] + " ..."
-
-
-def grpc_status(exc: ServiceError) -> grpc.Status:
-    """The rich status for `exc`: its code and public message, with a BadRequest or RetryInfo detail."""
-    code = getattr(code_pb2, status_of(exc))
-    details = []
-    if isinstance(exc, InvalidInput):
-        details.append(error_details_pb2.BadRequest(field_violations=[error_details_pb2.BadRequest.FieldViolation(
-            field=public(exc.field), description=public(exc.description))]))
-    elif isinstance(exc, Overloaded):
-        retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
-        details.append(retry)
-    packed = []
-    for detail in details:
-        any_detail = any_pb2.Any()
-        any_detail.Pack(detail)
-        packed.append(any_detail)
-    return rpc_status.to_status(status_pb2.Status(code=code, message=public(exc.message), details=packed))
+def being_cancelled() -> bool:
+    """True when this task itself is being cancelled (by grpcio or aiohttp: caller gone or deadline passed),
+    False when a CancelledError came from a future our own code cancelled."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

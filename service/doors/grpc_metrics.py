@@ -19,8 +19,8 @@ from typing import Any
 
 import grpc
 
-from service.doors.calls import cancel_code
 from service.doors.message_wait import request_streaming
+from service.doors.rpc import cancel_code
 from service.metrics import Metrics
 
 

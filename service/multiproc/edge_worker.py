@@ -1,7 +1,7 @@
 """An edge process: `python -m service.multiproc.edge_worker DIRECTORY INDEX`, started by the model
 process (service/multiproc/host.py), never by hand.
 
-It runs the service's whole gRPC server (service/doors/front.py) on the shared port with SO_REUSEPORT,
+It runs every door of the service (service/doors/build.py) on the shared port with SO_REUSEPORT,
 admitting into the model process's batcher (service/multiproc/remote.py). Its lifecycle follows the
 model process: SERVING once the model process has described its warm model (HELLO); on DRAIN the
 same drain as one process's (readiness NOT_SERVING, `drain_delay_s`, new calls UNAVAILABLE, accepted
@@ -25,13 +25,14 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, multiprocess
 
 from service.config import ServiceConfig
-from service.doors.calls import Calls, Serving
-from service.doors.front import GrpcFront, build_front, ledger
-from service.doors.http.door import Fronts, HttpDoor, HttpFront
+from service.doors.build import build_doors
+from service.doors.calls import Calls, Model, Serving
+from service.doors.grpc_server import GrpcFront, ledger
+from service.doors.http.server import HttpFront
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.remote import ModelClient
-from service.process import Lifecycle
+from service.process import Fronts, Lifecycle
 
 log = logging.getLogger("service.edge_process")
 SOCKET = "model.sock"
@@ -60,12 +61,9 @@ async def run(directory: Path) -> int:
         return 1
     spec, workers, tokens = frames.read_hello(body)
     config = dataclasses.replace(config, auth_tokens=tokens)  # never in the config file (issue 27, item 9)
-    calls = Calls(config, serving, metrics)
     try:
-        front = build_front(config, calls, metrics, lifecycle.health, workers, reuse_port=True)
-        # The HTTP door on the HTTP port the model process holds, shared the same way (docs/http.md).
-        http = HttpDoor(config, calls, metrics, front.servicer, front.kserve, reuse_port=True) \
-            if config.http_port >= 0 else None
+        # Every door; the HTTP door on the HTTP port the model process holds, shared the same way (docs/http.md).
+        doors = build_doors(config, Calls(config, serving, metrics), lifecycle.health, workers, reuse_port=True)
     except (RuntimeError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 1
@@ -75,19 +73,20 @@ async def run(directory: Path) -> int:
     client = ModelClient(reader, writer, limit, drains.put_nowait, lost.set)
     metrics.queue_limit_tokens.set(config.max_queue_tokens)
     await lifecycle.open()
-    await front.grpc.start()
+    grpc, http = doors.grpc, doors.http
+    await grpc.server.start()
     if http is not None:
         await http.start()
-    serving.spec, serving.batcher = spec, client
+    serving.served = Model(spec, client)
     await lifecycle.serving({})
     client.start()
-    client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": front.port}))
-    log.info("serving on %s:%d (%s, %s), pid %d", config.host, front.port, "TLS" if front.tls else "plaintext",
-             f"{front.tokens} bearer tokens" if front.tokens else "no token auth", os.getpid())
+    client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": grpc.port}))
+    log.info("serving on %s:%d (%s, %s), pid %d", config.host, grpc.port, "TLS" if grpc.tls else "plaintext",
+             f"{grpc.tokens} bearer tokens" if grpc.tokens else "no token auth", os.getpid())
 
     async def stop(grace: float) -> None:
         # The model process answers every accepted job before the grace ends (as one process does).
-        await lifecycle.drain(grace, Fronts(GrpcFront(front.grpc, serving),
+        await lifecycle.drain(grace, Fronts(GrpcFront(grpc.server, serving),
                                             HttpFront(http, serving) if http is not None else None), None)
 
     drain = asyncio.create_task(drains.get())

@@ -53,6 +53,7 @@ from prometheus_client import CollectorRegistry, multiprocess, values
 
 from service.batching import Batcher, Item, Request
 from service.config import ServiceConfig
+from service.doors.ports import port_error
 from service.engine import Engine
 from service.errors import ModelFailure, ServiceError
 from service.fault_hooks import FaultHooks
@@ -60,7 +61,7 @@ from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.edge_worker import CONFIG, SOCKET
-from service.process import Lifecycle, port_error, run, signal_queue
+from service.process import Lifecycle, run, signal_queue
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import from_tensor
-from service.doors.front import ledger
+from service.doors.grpc_server import ledger
 from tests.support.helpers import Running, ids_request, wait_for
 from tests.support.reliability_helpers import fault_state  # noqa: F401  (a fixture)
 

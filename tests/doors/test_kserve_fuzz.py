@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as v2
 
-from service.doors.kserve_v2 import SERVICE_NAME
+from service.doors.kserve.grpc_door import SERVICE_NAME
 from tests.support.reliability_helpers import assert_clean_status, byte_mutations
 from tests.support.server_process import ServerProcess
 

@@ -22,12 +22,11 @@ from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import from_tensor, to_tensor
-from service.doors.attention_v1 import plan_request
+from service.doors.attention_wire import response_bytes
 from service.errors import OutputOverflow
 from service.jobs import Output
 from service.output_range import check_representable
-from service.plan import response_bytes
-from tests.support.helpers import ids_request
+from tests.support.helpers import ids_request, plan_request
 from tests.support.reliability_helpers import assert_clean_status, batches
 
 Code = grpc.StatusCode

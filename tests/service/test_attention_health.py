@@ -140,7 +140,7 @@ async def test_huge_qk_weights_under_fp16_raise_the_overflow_counter_before_any_
 
 async def test_sampling_off_records_nothing_and_alerted_counters_exist_at_zero(start_server):
     s = await start_server(diagnostics_sample=0.0)
-    assert s.server.serving.batcher._after_batch is None  # nothing runs after a batch at all
+    assert s.server.batcher._after_batch is None  # nothing runs after a batch at all
     for _ in range(3):
         await s.stub.Encode(ids_request(*SEQUENCES), timeout=10)
     assert s.sample("attention_diagnostics_enabled") == 0

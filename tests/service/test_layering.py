@@ -1,7 +1,10 @@
 """The project's import graph: no cycle anywhere (lazy imports in functions count), and the rooms'
 rules: service/doors/ and service/batching/ import no torch (an edge process loads the doors only),
 model/ imports no grpc, service/server.py does not import service/multiproc/, the client imports
-nothing of the service or the model. Checked on the source (ast) and, for torch, in a fresh interpreter."""
+nothing of the service or the model, service/doors/ imports nothing above it. The doors' own rules (the one
+call path, issue 38): no door imports another door, only the shared call layer plans a call and admits it,
+and no module reaches for another module's private names. Checked on the source (ast) and, for torch, in a
+fresh interpreter."""
 
 from __future__ import annotations
 
@@ -126,8 +129,7 @@ def test_server_does_not_import_multiproc_and_model_imports_no_grpc() -> None:
 
 def test_an_edge_process_loads_no_torch() -> None:
     """What `python -m service.multiproc.edge_worker` imports, in a fresh interpreter."""
-    code = ("import sys, service.multiproc.edge_worker, service.doors.front, service.doors.attention_v1, "
-            "service.doors.kserve_v2, service.doors.http.door; print('torch' in sys.modules)")
+    code = "import sys, service.multiproc.edge_worker, service.doors.build; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
@@ -143,3 +145,77 @@ def _closure(module: str) -> set[str]:
         seen.add(m)
         todo.extend(imports_of(m))
     return seen
+
+
+# The doors' transports: each decodes its wire, runs the call on the shared call layer, encodes its wire.
+# Only the assembly (service/doors/build.py) knows them all.
+DOORS = ("service.doors.attention_v1", "service.doors.kserve.grpc_door", "service.doors.kserve.rest",
+         "service.doors.http.openai", "service.doors.http.tei", "service.doors.http.encode")
+# Private names of another module that a module may read, each for a stated reason.
+PRIVATE_ALLOWED = {
+    ("service.metrics", "_type"), ("service.metrics", "_name"), ("service.metrics", "_labelnames"),  # prometheus
+    ("service.doors.http.server", "_shutdown_timeout"),  # aiohttp's AppRunner: this drain's grace
+    ("service.process", "_exit"),  # os._exit
+    ("service.server", "_startup"),  # its own Server's
+}
+
+
+def test_doors_import_no_other_door_and_nothing_above_them() -> None:
+    assert set(DOORS) <= set(MODULES), sorted(set(DOORS) - set(MODULES))
+    for module in MODULES:
+        if module == "service.doors.build":
+            continue
+        imported = imports_of(module) & set(DOORS)
+        assert not imported, f"{module} imports the door(s) {sorted(imported)} (only service/doors/build.py may)"
+    for module in (m for m in MODULES if m.startswith("service.doors")):
+        above = {m for m in imports_of(module) if m in ("service.process", "service.server", "service.engine",
+                                                        "service.runner") or m.startswith("service.multiproc")}
+        assert not above, f"{module} imports {sorted(above)}: the doors import nothing above them"
+
+
+def _calls_in(module: str) -> set[str]:
+    """The names `module` calls: `f(...)` and `x.f(...)`."""
+    names = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "")
+    return names
+
+
+def test_one_place_plans_a_call_and_hands_it_to_the_batcher() -> None:
+    planning = {"plan_call", "plan", "plan_head", "submit", "compute"}
+    callers = {m for m in MODULES if m.startswith("service.doors") and _calls_in(m) & planning}
+    assert callers == {"service.doors.calls"}, sorted(callers)
+
+
+def private_reads(module: str) -> set[str]:
+    """Private names `module` takes from elsewhere: `from x import _name`, and `obj._name` on anything but
+    `self` or `cls` (a dunder is not private)."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found.update(a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__"))
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.add(node.attr)
+    return found
+
+
+def test_no_module_calls_a_private_name_of_another() -> None:
+    offenders = {(m, name) for m in MODULES if m.startswith(("service", "proto", "client"))
+                 for name in private_reads(m)} - PRIVATE_ALLOWED
+    assert not offenders, sorted(offenders)
+
+
+def test_the_layering_checks_can_fail(tmp_path: Path) -> None:
+    source = tmp_path / "door.py"
+    source.write_text("from service.doors.attention_v1 import _stream_error\n"
+                      "def f(door):\n    return door._kserve._ready(), plan_call(1)\n")
+    MODULES["tests.fake_door"] = source
+    try:
+        assert private_reads("tests.fake_door") == {"_stream_error", "_kserve", "_ready"}
+        assert "service.doors.attention_v1" in imports_of("tests.fake_door")
+        assert "plan_call" in _calls_in("tests.fake_door")
+    finally:
+        del MODULES["tests.fake_door"]

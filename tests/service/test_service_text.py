@@ -19,8 +19,7 @@ from model.bundle import BundleError
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import from_tensor
 from service.config import ServiceConfig
-from service.doors.attention_v1 import plan_request
-from tests.support.helpers import ids_request, violated_field
+from tests.support.helpers import ids_request, plan_request, violated_field
 from tests.support.hf_helpers import Reference
 from tests.support.reliability_helpers import assert_clean_status
 
@@ -84,7 +83,7 @@ async def test_minilm_info_and_client_strings(start_server: Any, minilm_bundle: 
 
 async def test_text_and_ids_share_a_computation(start_server: Any, tiny_text_bundle: Path) -> None:
     served = await start_server(bundle=tiny_text_bundle)
-    spec, _ = served.server.serving.require_ready()
+    spec = served.server.serving.model().spec
     text = plan_request(_text_request("the cats"), spec, served.server.config)
     ids = plan_request(ids_request(np.array([2, 8, 9, 10, 3])), spec, served.server.config)
     assert text.jobs[0].key == ids.jobs[0].key  # so the batcher may put them in one batch

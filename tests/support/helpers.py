@@ -24,6 +24,9 @@ from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import SERVICE_NAME, to_tensor
 from service.config import ServiceConfig
 from service.device import default_threads, default_workers
+from service.doors.attention_wire import NAMES, encode_ask, response_bytes
+from service.jobs import ModelSpec
+from service.plan import Plan, plan
 from service.server import Server
 
 
@@ -68,6 +71,11 @@ async def health(channel: grpc.aio.Channel, service: str = SERVICE_NAME, timeout
     stub = health_pb2_grpc.HealthStub(channel)
     response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
     return int(response.status)
+
+
+def plan_request(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig) -> Plan:
+    """An EncodeRequest's plan, on the calling thread: what Encode plans before it runs."""
+    return plan(encode_ask(request, spec, config), spec, config, NAMES, response_bytes)
 
 
 def rich_status(error: grpc.RpcError) -> status_pb2.Status | None:

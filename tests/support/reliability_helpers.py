@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from model import faults
 from service.batching import Item
-from service.doors.front import ledger
+from service.doors.grpc_server import ledger
 from tests.support.helpers import Running, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

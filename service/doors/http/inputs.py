@@ -1,15 +1,17 @@
-"""The inputs OpenAI's and TEI's embedding routes share (a text, texts, token ids, or lists of token
-ids), the plan's field names as those bodies name them (`input[2]`, not `sequences[2].text`), and the
-size of a JSON response (service/plan.py checks it against max_message_bytes before any compute).
+"""What OpenAI's and TEI's embedding routes share: their inputs (a text, texts, token ids, or lists of token
+ids), the call they make of them (`pooled_ask`, `pooled`), the plan's field names as those bodies name them
+(`input[2]`, not `sequences[2].text`), and the size of a JSON response (service/plan.py checks it against
+max_message_bytes before any compute).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from service.doors.calls import Ran
 from service.errors import InvalidInput
 from service.jobs import ModelSpec
-from service.plan import Names, Plan, Sizes
+from service.plan import Ask, Names, Plan, Sizes
 
 Inputs = list[str] | list[np.ndarray]
 _INT64 = (-(2**63), 2**63 - 1)
@@ -67,3 +69,23 @@ def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
     entries = spec.vocab_size * sum(job.head == "sparse" for job in plan.sequences)
     return Sizes(0, values * JSON_FLOAT + entries * (JSON_FLOAT + 24) + 64 * len(plan.sequences) + 256)
 
+
+
+def pooled_ask(spec: ModelSpec, inputs: Inputs, *, normalize: bool | None, truncate: bool = False,
+               prompt_name: str = "", hidden: bool = False, dimensions: int | None = None,
+               sparse: bool = False) -> Ask:
+    """An embedding route's call: each sequence's pooled vector (a text bundle's own pooling, else mean; cut
+    to `dimensions`), or its hidden states (`hidden`), or its SPLADE vector (`sparse`)."""
+    if sparse:
+        return Ask(inputs=inputs, return_hidden=False, truncate=truncate, prompt_name=prompt_name, sparse=(0, 0.0))
+    return Ask(inputs=inputs, return_hidden=hidden, normalize=None if hidden else normalize,
+               pooling="none" if hidden else "model" if spec.tokenizer is not None else "mean",
+               truncate=truncate, prompt_name=prompt_name, dimensions=dimensions)
+
+
+def pooled(ran: Ran) -> list[np.ndarray]:
+    """Each sequence's pooled vector, or its hidden states when the call asked for those."""
+    hidden = ran.plan.jobs[0].return_hidden
+    arrays = [out.hidden if hidden else out.pooled for out in ran.outputs]
+    assert all(a is not None for a in arrays), "an output asked for is missing. This is a bug."
+    return [a for a in arrays if a is not None]

@@ -13,14 +13,28 @@ a model without a tokenizer, mean pooling normalised to unit length (OpenAI's ve
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from aiohttp import web
 
-from service.doors.http.inputs import Inputs, decode_inputs
-from service.doors.http.wire import Dialect, field_of, json_object, known_fields, optional
+from service.doors.calls import Calls
+from service.doors.http import deadline
+from service.doors.http.inputs import Inputs, decode_inputs, json_size, names, pooled, pooled_ask
+from service.doors.http.wire import (
+    Dialect,
+    Route,
+    Routes,
+    field_of,
+    json_object,
+    json_response,
+    known_fields,
+    optional,
+    read_json,
+)
 from service.errors import InvalidInput, NotFound, ServiceError, status_of
 from service.jobs import Job
 
@@ -92,3 +106,30 @@ def encode(call: EmbeddingsCall, sequences: Sequence[Job], vectors: Sequence[np.
 def models(name: str, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                          "owned_by": "attention-service"}]}
+
+
+class OpenAI:
+    """The dialect's routes over the shared call layer: decode -> run -> encode."""
+
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
+        self._created = int(time.time())
+
+    def routes(self) -> Routes:
+        return Routes(DIALECT, "/v1/", [Route("POST", "/v1/embeddings", self.embeddings),
+                                        Route("GET", "/v1/models", self.models)])
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._calls.config)
+        model = self._calls.model()
+        spec = model.spec
+        call = decode(body)
+        check_model(call, spec.name)
+        # OpenAI's vectors are unit vectors: a model without a tokenizer's own defaults normalises them too.
+        ask = pooled_ask(spec, call.inputs, normalize=None if spec.tokenizer is not None else True,
+                         dimensions=call.dimensions)
+        ran = await self._calls.run(model, ask, names("input"), json_size, deadline.remaining())
+        return json_response(encode(call, ran.plan.sequences, pooled(ran), spec.name))
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return json_response(models(self._calls.model().spec.name, self._created))

@@ -23,14 +23,32 @@ ready or draining. `truncation_direction` other than the bundle's own side is re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from aiohttp import web
 
-from service.doors.http.inputs import Inputs, decode_inputs
-from service.doors.http.wire import Dialect, json_object, known_fields, optional
+from model.text import special_ids
+from service.doors.calls import Calls
+from service.doors.http import deadline
+from service.doors.http.inputs import Inputs, decode_inputs, json_size, names, pooled, pooled_ask
+from service.doors.http.wire import (
+    Dialect,
+    Route,
+    Routes,
+    json_object,
+    json_response,
+    known_fields,
+    optional,
+    read_json,
+)
 from service.errors import InvalidInput, ServiceError, TooLarge, status_of
+from service.jobs import ModelSpec
+from service.plan import Ask, head_response_bytes
+from service.tasks import sparse_entries
+
+SERVER_VERSION = "0.1.0"  # pyproject.toml's
 
 EMBED = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"})
 EMBED_ALL = frozenset({"inputs", "truncate", "truncation_direction", "prompt_name"})
@@ -207,3 +225,120 @@ def predictions(labels: Sequence[str], scores: Sequence[float]) -> list[dict[str
 def sparse(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
     """One input's /embed_sparse entries."""
     return [{"index": int(i), "value": float(v)} for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+
+
+def _side(spec: ModelSpec) -> str:
+    return spec.tokenizer.settings.truncation_side if spec.tokenizer is not None else "right"
+
+
+class TEI:
+    """The dialect's routes over the shared call layer: decode -> run -> encode."""
+
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
+        self._config = calls.config
+        self._special: dict[int, frozenset[int]] = {}
+
+    def routes(self) -> Routes:
+        return Routes(DIALECT, "/", [
+            Route("POST", "/embed", self.embed), Route("POST", "/embed_all", self.embed_all),
+            Route("POST", "/embed_sparse", self.embed_sparse), Route("POST", "/tokenize", self.tokenize),
+            Route("POST", "/decode", self.decode), Route("POST", "/rerank", self.rerank),
+            Route("POST", "/predict", self.predict), Route("GET", "/info", self.info),
+            Route("GET", "/health", self.health, health=True)])
+
+    async def embed(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        model = self._calls.model()
+        call = decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec))
+        ask = pooled_ask(model.spec, call.inputs, normalize=call.normalize, truncate=call.truncate,
+                         prompt_name=call.prompt_name, dimensions=call.dimensions)
+        ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
+        return json_response([np.asarray(v, np.float32).tolist() for v in pooled(ran)])
+
+    async def embed_all(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        model = self._calls.model()
+        call = decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec),
+                            all_tokens=True)
+        ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate,
+                         prompt_name=call.prompt_name, hidden=True)
+        ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
+        return json_response([np.asarray(h, np.float32).tolist() for h in pooled(ran)])
+
+    async def embed_sparse(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        model = self._calls.model()
+        call = decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec),
+                            all_tokens=True)
+        ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate,
+                         prompt_name=call.prompt_name, sparse=True)
+        ran = await self._calls.run(model, ask, replace(names("inputs"), sparse="/embed_sparse"), json_size,
+                                    deadline.remaining())
+        return json_response([sparse(*sparse_entries(x, 0, 0.0)) for x in ran.logits])
+
+    def _specials(self, spec: ModelSpec) -> frozenset[int]:
+        if spec.tokenizer is None:
+            return frozenset()
+        key = id(spec.tokenizer)
+        if key not in self._special:
+            self._special[key] = frozenset(special_ids(spec.tokenizer.data).values())
+        return self._special[key]
+
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        texts, prompt = decode_tokenize(body, self._config.max_sequences_per_call)
+        model = self._calls.model()
+        encoded = await self._calls.tokenize(model, texts, field="inputs", truncate=False, prompt_name=prompt)
+        special = self._specials(model.spec)
+        return json_response([tokens(enc.ids.tolist(), enc.tokens, special) for enc in encoded])
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        spec = self._calls.model().spec
+        rows, skip = decode_decode(body, self._config.max_sequences_per_call, spec.vocab_size)
+        if spec.tokenizer is None:
+            raise InvalidInput("ids", f"model {spec.name} has no tokenizer to decode with")
+        return json_response(spec.tokenizer.decode(rows, skip_special_tokens=skip))
+
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        model = self._calls.model()
+        call = decode_rerank(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec))
+        ask = Ask(inputs=call.texts, return_hidden=False, task="rerank", query=call.query, top_n=call.top_n,
+                  truncate=call.truncate, raw_scores=call.raw_scores)
+        ran = await self._calls.run(model, ask, replace(names("texts"), task="/rerank"), head_response_bytes,
+                                    deadline.remaining())
+        assert ran.scores is not None and ran.ranking is not None
+        scores = ran.scores
+        return json_response([{"index": i, "score": scores[i], **({"text": call.texts[i]} if call.return_text else {})}
+                              for i in ran.ranking])
+
+    async def predict(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, self._config)
+        model = self._calls.model()
+        call = decode_predict(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec))
+        ask = Ask(inputs=call.inputs, return_hidden=False, task="classify", truncate=call.truncate,
+                  raw_scores=call.raw_scores)
+        ran = await self._calls.run(model, ask, replace(names("inputs"), task="/predict"), head_response_bytes,
+                                    deadline.remaining())
+        assert ran.labels is not None
+        out = [predictions(model.spec.labels, scores.tolist()) for scores in ran.labels]
+        return json_response(out if call.batch else out[0])
+
+    async def info(self, request: web.Request) -> web.StreamResponse:
+        spec, c = self._calls.model().spec, self._config
+        settings = spec.tokenizer.settings if spec.tokenizer is not None else None
+        return json_response({
+            "model_id": spec.name, "model_sha": spec.checksum, "model_dtype": spec.precision,
+            "model_type": {"embedding": {"pooling": settings.pooling if settings is not None else "mean"}},
+            "max_concurrent_requests": c.max_queue_requests,
+            "max_input_length": settings.max_tokens if settings is not None else spec.max_length,
+            # max_batch_tokens: the one in force (measured at warm-up or configured)
+            "max_batch_tokens": spec.max_batch_tokens, "max_batch_requests": c.max_batch_size,
+            "max_client_batch_size": c.max_sequences_per_call, "auto_truncate": False, "tokenization_workers": 1,
+            "version": SERVER_VERSION, "sha": None, "docker_label": None})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        self._calls.serving.require_serving()
+        return web.Response(status=200)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from service.config import ServiceConfig
 from service.errors import InvalidInput, NotAcceptable, Overloaded, ReadTimeout, ServiceError, TooLarge, status_of
 
 JSON = "application/json"
@@ -62,6 +63,29 @@ class Dialect:
         return json_response(self.body(error, status), status, headers)
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of a dialect: `<verb> <path>` (an aiohttp pattern) is also its `method` label in
+    attention_requests_total. A health route asks for no token and is not counted."""
+
+    verb: str
+    path: str
+    handle: Handler
+    health: bool = False
+
+
+@dataclass(frozen=True)
+class Routes:
+    """A dialect's routes, and the path prefix it answers errors for (a path no route has, a wrong verb)."""
+
+    dialect: Dialect
+    prefix: str
+    routes: Sequence[Route]
+
+
 def field_of(error: ServiceError) -> str | None:
     return error.field if isinstance(error, InvalidInput) and error.field != "request" else None
 
@@ -96,8 +120,9 @@ def parse_json(raw: bytes, field: str = "body") -> Any:
         raise InvalidInput(field, "is not valid JSON") from None
 
 
-async def read_json(request: web.Request, limit: int, timeout_s: float) -> Any:
-    return parse_json(await read_body(request, limit, timeout_s))
+async def read_json(request: web.Request, config: ServiceConfig) -> Any:
+    """The request's body as JSON, bounded as `read_body` bounds it."""
+    return parse_json(await read_body(request, config.max_message_bytes, config.http_read_timeout_s))
 
 
 def json_object(value: Any, field: str = "body") -> dict[str, Any]:

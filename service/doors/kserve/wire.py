@@ -1,65 +1,33 @@
-"""inference.GRPCInferenceService (KServe v2 / Open Inference Protocol): v2 messages <-> our Jobs. Nothing else.
-
-The messages are the ones `tritonclient` ships (`tritonclient.grpc.service_pb2`, `model_config_pb2`),
-so the wire is upstream's and shares its descriptors with any tritonclient in the process. Calls
-take the same path as attention.v1 (service/doors/calls.py: admission, the batcher, the outcome, the stream
-loop; the same error table and metrics): each row of `input_ids` is one sequence in the same batches
-as Encode's. Choices a Triton user would look for (docs/kserve.md has the
-tables):
-
-- unknown model or version: NOT_FOUND "Request for unknown model: ..." (Triton's text); ModelReady
-  answers ready=false for it, as Triton does;
-- no outputs requested: `last_hidden_state` and `pooled` (attention only when requested);
-- rows of one request may differ in length: `attention_mask` marks each row's real tokens, ones
-  then zeros (right padding); outputs are padded back to the request's T with zeros;
-- options are request parameters (`pooling`, `datatype`, `attention_layers`, ...); an unknown
-  parameter is INVALID_ARGUMENT, so a misspelt one is never silently ignored;
-- rows longer than the model: parameters `long_inputs` ("error", "truncate", "chunk"; unset: what the
-  bool `truncate` says) and `chunk_stride`, as attention.v1's fields (service/chunking.py). Outputs
-  are padded to the longest row that ran (a truncated call's T is at most max_length); the response
-  parameters `truncated` (some row was cut) and `windows` (windows of the chunked rows, summed) say so;
-- ModelMetadata and ModelConfig list every input the door takes for the model (`text` for a text
-  model), and the config's parameters both limits (ids: max_length; text: text_max_tokens);
-- RepositoryIndex answers the one served model, READY or UNAVAILABLE (shutting down);
-- ModelStatistics is model-wide (both front doors), from the service's own counts (service/metrics.py
-  `ModelCounts`); ServerReady/ModelReady from its readiness (service/doors/calls.py `Serving.ready`);
-- rerank is a `text` call with the string parameter `query`: output `scores` (FP32 [batch], one per row in
-  the rows' order, no sorting: sigmoid unless `raw_scores`, as attention.v1's Rerank) and/or `logits`
-  (the raw [batch, 1]); the plan's checks and errors as Rerank's, named as this door's fields;
-- ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
-  "[StatusCode.X] message" and the stream goes on. Load/unload, shared-memory, trace and log RPCs
-  are UNIMPLEMENTED.
-
-docs/kserve.md says what each described field means and how perf_analyzer runs.
+"""KServe v2 (the Open Inference Protocol)'s wire, transport-free: a `ModelInferRequest` -> the plan's
+`Ask` (inputs decoded, outputs and parameters checked, with this door's field names), a `Ran` -> the
+`ModelInferResponse`, and the size of a response before it is computed. The messages are the ones
+`tritonclient` ships (`tritonclient.grpc.service_pb2`, `model_config_pb2`), so the wire is upstream's and
+shares its descriptors with any tritonclient in the process. service/doors/kserve/core.py runs a call;
+docs/kserve.md has the tables of inputs, outputs and parameters.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import grpc
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as v2
 
 from proto.attention.v1.codec import float32_to_bfloat16_bits
-from service.batching import Done
 from service.chunking import ERROR, MODES, TRUNCATE
 from service.config import ServiceConfig
-from service.doors.calls import Calls, parse, public, remaining
-from service.errors import FailedPrecondition, InvalidInput, NotFound, NotReady, ServiceError, shown, status_of
+from service.doors.calls import Ran
+from service.errors import FailedPrecondition, InvalidInput, shown
 from service.jobs import ModelSpec, Output
-from service.metrics import Metrics, Timing
 from service.output_range import check_arrays
 from service.plan import (
     HEADS,
     ITEMSIZE,
-    MAX_REQUEST_ID,
     Ask,
     Names,
     Plan,
@@ -67,19 +35,10 @@ from service.plan import (
     attention_bytes,
     check_count,
     check_task,
-    plan_call,
     takes_text,
 )
-from service.tasks import rerank_scores
 from service.vectors import QUANTIZATIONS
 
-if TYPE_CHECKING:
-    pass
-
-SERVICE_NAME = v2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-SERVER_NAME = "attention-service"
-SERVER_VERSION = "0.1.0"  # pyproject.toml's
-EXTENSIONS = ("model_configuration", "statistics", "parameters")
 PLATFORM = "pytorch_libtorch"  # Triton's name for a TorchScript model
 
 IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
@@ -122,256 +81,14 @@ def model_inputs(text_model: bool) -> list[InputTensor]:
     return ids + ([InputTensor(TEXT, "BYTES", mc.TYPE_STRING, (1,), optional=True)] if text_model else [])
 
 
-def _config_output(name: str, dims: list[int]) -> Any:
+def config_output(name: str, dims: list[int]) -> Any:
     """A ModelConfig output; a [batch] one (`scores`) is dims [1] reshaped to [], as Triton writes it."""
     if not dims:
         return mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=[1], reshape=mc.ModelTensorReshape(shape=[]))
     return mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims)
 
 
-class KServeServicer:
-    def __init__(self, calls: Calls, metrics: Metrics, workers: int = 1) -> None:
-        self._calls = calls
-        self._config = calls.config
-        self._metrics = metrics
-        self._workers = workers
 
-    def rpc_handler(self) -> grpc.GenericRpcHandler:
-        handlers: dict[str, tuple[Any, Callable[..., Any]]] = {
-            "ServerLive": (v2.ServerLiveRequest, lambda _: v2.ServerLiveResponse(live=True)),
-            "ServerReady": (v2.ServerReadyRequest, lambda _: v2.ServerReadyResponse(ready=self._ready())),
-            "ModelReady": (v2.ModelReadyRequest, self._model_ready),
-            "ServerMetadata": (v2.ServerMetadataRequest, lambda _: v2.ServerMetadataResponse(
-                name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)),
-            "ModelMetadata": (v2.ModelMetadataRequest, self._model_metadata),
-            "ModelConfig": (v2.ModelConfigRequest, self._model_config),
-            "ModelStatistics": (v2.ModelStatisticsRequest, self._model_statistics),
-            "RepositoryIndex": (v2.RepositoryIndexRequest, self._repository_index),
-        }
-        methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, *h), response_serializer=bytes)
-                   for name, h in handlers.items()}
-        methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(self.model_infer, response_serializer=bytes)
-        methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-            self.model_stream_infer, response_serializer=bytes)
-        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
-
-    def _unary(self, method: str, request_type: Any, handle: Callable[[Any], Any]) -> Any:
-        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            async def work() -> bytes:
-                data: bytes = handle(parse(request_type, raw)).SerializeToString()
-                return data
-
-            return await self._calls.answer(method, context, work)
-
-        return call
-
-    async def model_infer(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        async def work() -> bytes:
-            request = parse(v2.ModelInferRequest, raw)
-            data: bytes = (await self._infer(request, remaining(context, self._config))).SerializeToString()
-            return data
-
-        return await self._calls.answer("ModelInfer", context, work)
-
-    async def model_stream_infer(self, requests: AsyncIterator[bytes],
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        """One response per request, in completion order (`id` echoed). A failed request answers with
-        `error_message` "[StatusCode.X] message" (the text tritonclient shows for a unary error; the
-        stream has no code field) and the stream goes on."""
-        async def one(raw: bytes) -> bytes:
-            request_id, final = "", False
-
-            async def work() -> bytes:
-                nonlocal request_id, final
-                request = parse(v2.ModelInferRequest, raw)
-                if len(request.id) <= MAX_REQUEST_ID:  # echoed in a refusal too: never a long one
-                    request_id = request.id
-                final = _final_flag(request)
-                response = v2.ModelStreamInferResponse(
-                    infer_response=await self._infer(request, remaining(context, self._config)))
-                if final:
-                    response.infer_response.parameters["triton_final_response"].bool_param = True
-                data: bytes = response.SerializeToString()
-                return data
-
-            def failed(error: ServiceError) -> bytes:
-                response = v2.ModelStreamInferResponse(
-                    error_message=public(f"[StatusCode.{status_of(error)}] {error.message}"),
-                    infer_response=v2.ModelInferResponse(id=request_id))
-                if final:
-                    response.infer_response.parameters["triton_final_response"].bool_param = True
-                data: bytes = response.SerializeToString()
-                return data
-
-            return await self._calls.answer_in_stream("ModelStreamInfer", work, failed)
-
-        async with contextlib.aclosing(self._calls.stream(requests, one)) as responses:
-            async for response in responses:
-                yield response
-
-    # -- health and description -------------------------------------------------------------------
-
-    def _ready(self) -> bool:
-        # The readiness grpc.health.v1 reports: true once warm, false from the moment a shutdown starts
-        # (through the drain delay, while calls are still served). An edge process's own.
-        return self._calls.serving.ready
-
-    def _model_ready(self, request: Any) -> Any:
-        spec = self._calls.serving.spec
-        known = spec is not None and _names(spec, request.name, request.version)
-        return v2.ModelReadyResponse(ready=known and self._ready())
-
-    def _served(self, name: str, version: str) -> ModelSpec:
-        spec, _ = self._calls.serving.require_ready()
-        if not _names(spec, name, version):
-            version_text = f" version {shown(version, quote=False)}" if version else ""
-            raise NotFound(f"Request for unknown model: {shown(name)}{version_text} is not found")
-        return spec
-
-    def _repository_index(self, request: Any) -> Any:
-        """The one served model, READY or UNAVAILABLE (a shutdown has begun); `ready` asks for ready ones
-        only. While loading there is no name to give yet: UNAVAILABLE, as for the other description calls."""
-        if request.repository_name:
-            raise NotFound(f"unknown repository {shown(request.repository_name)}; this server has one, "
-                           "named \"\" (leave repository_name empty)")
-        serving = self._calls.serving
-        ready = self._ready()
-        if request.ready and not ready:
-            return v2.RepositoryIndexResponse()
-        spec = serving.spec
-        if spec is None:
-            raise NotReady("model loading or warming up; retry shortly")
-        index = v2.RepositoryIndexResponse.ModelIndex
-        return v2.RepositoryIndexResponse(models=[
-            index(name=spec.name, version=spec.version, state="READY") if ready else
-            index(name=spec.name, version=spec.version, state="UNAVAILABLE", reason="server shutting down")])
-
-    def _model_metadata(self, request: Any) -> Any:
-        spec = self._served(request.name, request.version)
-        meta = v2.ModelMetadataResponse.TensorMetadata
-        inputs = model_inputs(spec.tokenizer is not None)
-        return v2.ModelMetadataResponse(
-            name=spec.name, versions=[spec.version], platform=PLATFORM,
-            inputs=[meta(name=i.name, datatype=i.datatype, shape=[-1, *i.dims]) for i in inputs],
-            outputs=[meta(name=name, datatype="FP32", shape=[-1, *dims]) for name, dims in self._outputs(spec)],
-        )
-
-    def _outputs(self, spec: ModelSpec) -> list[tuple[str, list[int]]]:
-        """Each output and its dims after the batch dim (-1: variable)."""
-        outputs = [(HIDDEN, [-1, spec.d_model]), (POOLED, [spec.d_model])]
-        if "sparse" in spec.tasks:
-            outputs.append((SPARSE, [spec.vocab_size]))
-        if "classify" in spec.tasks:
-            outputs.append((LOGITS, [len(spec.labels)]))
-        if "rerank" in spec.tasks:
-            outputs.append((SCORES, []))  # [batch]: one score a row
-        if self._config.allow_attention:
-            outputs.append((ATTENTION, [-1, -1, -1, -1]))  # layers asked, heads (or 1), T, T
-        return outputs
-
-    def _model_config(self, request: Any) -> Any:
-        spec = self._served(request.name, request.version)
-        c = self._config
-        inputs = [mc.ModelInput(name=i.name, data_type=i.config_type, dims=i.dims, optional=i.optional)
-                  for i in model_inputs(spec.tokenizer is not None)]
-        group = mc.ModelInstanceGroup
-        kind = group.KIND_GPU if spec.device.startswith("cuda") else group.KIND_CPU
-        described: dict[str, object] = {
-            "d_model": spec.d_model, "n_heads": spec.n_heads, "n_layers": spec.n_layers,
-            "vocab_size": spec.vocab_size, "max_length": spec.max_length, "precision": spec.precision,
-            "device": spec.device, "checksum": spec.checksum, "max_tokens_per_call": c.max_tokens_per_call,
-            "max_attention_bytes": c.max_attention_bytes, "attention_scale": spec.attention_scale,
-            "standard_scale": spec.standard_scale, "relative_bias": spec.relative_bias, "backend": spec.backend}
-        if spec.tokenizer is not None:  # `text` is cut (or refused) at the tokenizer's limit, not at max_length
-            t = spec.tokenizer.settings
-            described.update({
-                "text_max_tokens": t.max_tokens, "text_truncation_side": t.truncation_side,
-                "text_pooling": t.pooling, "text_normalize": t.normalize, "text_prompts": ",".join(sorted(t.prompts)),
-                "text_default_prompt_name": t.default_prompt_name, "max_text_chars": c.max_text_chars,
-                "tokenizer_checksum": t.tokenizer_sha256})
-        config = mc.ModelConfig(
-            name=spec.name, platform=PLATFORM, max_batch_size=c.max_sequences_per_call, input=inputs,
-            output=[_config_output(name, dims) for name, dims in self._outputs(spec)],
-            dynamic_batching=mc.ModelDynamicBatching(
-                max_queue_delay_microseconds=int(c.max_wait_ms * 1e3),
-                default_queue_policy=mc.ModelQueuePolicy(
-                    max_queue_size=c.max_queue_requests, default_timeout_microseconds=int(c.default_timeout_s * 1e6),
-                    allow_timeout_override=True)),
-            instance_group=[mc.ModelInstanceGroup(kind=kind, count=spec.model_workers or self._workers)],
-            parameters={key: mc.ModelParameter(string_value=str(value)) for key, value in described.items()},
-        )
-        return v2.ModelConfigResponse(config=config)
-
-    def _model_statistics(self, request: Any) -> Any:
-        """Triton's shape, model-wide (attention.v1 calls included), from the service's own counts
-        (service/metrics.py `ModelCounts`): success/fail per call, queue per sequence, compute_infer per
-        forward (warm-up's included). The host-side input and output handling around a forward are not
-        timed apart: compute_input and compute_output carry compute_infer's count with 0 ns (perf_analyzer
-        requires the three counts equal). batch_stats is left empty."""
-        if request.name:
-            spec = self._served(request.name, request.version)
-        else:
-            spec, _ = self._calls.serving.require_ready()
-        counts = self._metrics.counts()
-        stats = v2.ModelStatistics(name=spec.name, version=spec.version, last_inference=counts.last_inference_ms,
-                                   inference_count=counts.sequences, execution_count=counts.batches)
-        calls = stats.inference_stats
-        for into, timing in ((calls.success, counts.success), (calls.fail, counts.fail), (calls.queue, counts.queue),
-                             (calls.compute_infer, counts.compute), (calls.compute_input, Timing(counts.compute.count)),
-                             (calls.compute_output, Timing(counts.compute.count))):
-            into.count, into.ns = timing.count, int(timing.seconds * 1e9)
-        return v2.ModelStatisticsResponse(model_stats=[stats])
-
-    # -- inference --------------------------------------------------------------------------------
-
-    async def _infer(self, request: Any, seconds: float) -> Any:
-        params = _parameters(request.parameters)
-        if timeout_us := _int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
-            seconds = min(seconds, timeout_us / 1e6)
-        spec = self._served(request.model_name, request.model_version)
-        outputs = _requested(request, self._config.allow_attention, spec)
-        inputs, texts = _inputs(request, spec, self._config)
-        ask = _ask(request, params, outputs, spec)
-        if ask.task == "rerank":
-            check_task("rerank", spec, "parameters.query")  # the model's lack named before the inputs' kind
-        if ask.task == "rerank" and texts is None:
-            raise InvalidInput(TEXT, "required with parameters.query: the texts to rerank, one a row (BYTES)")
-        if texts is not None:
-            ask = dataclasses.replace(ask, inputs=texts)
-            names, padded_to = RERANK_NAMES if ask.task == "rerank" else TEXT_NAMES, 0  # padded to the longest text
-        else:
-            ids = inputs.get(IDS)
-            if ids is None:
-                raise InvalidInput(IDS, f"required (INT32 or INT64, [batch, T]), or {TEXT} (BYTES, [batch])")
-            batch, T = ids.shape
-            lengths = _lengths(inputs, batch, T)
-            ask = dataclasses.replace(ask, inputs=[ids[i, : lengths[i]] for i in range(batch)])
-            names, padded_to = IDS_NAMES, T
-            if _truncating(ask):
-                padded_to = min(T, spec.max_length)
-
-        def sizes(plan: Plan, spec: ModelSpec) -> Sizes:
-            return _sizes(plan, spec, padded_to or max(job.length for job in plan.sequences))
-
-        plan = await plan_call(ask, spec, self._config, names, sizes)
-        T = padded_to or max(job.length for job in plan.sequences)
-        if plan.vectors is not None and plan.vectors.dtype is not None:  # quantized: INT8 or UINT8, not a float
-            outputs = {name: _QUANTIZED[plan.vectors.quantization] if name in (POOLED, EMBEDDINGS) else datatype
-                       for name, datatype in outputs.items()}
-        done = await self._calls.compute(plan.jobs, seconds)
-        results = plan.finish([d.output for d in done])
-        for name, datatype in outputs.items():  # a result FP16 (or BF16) cannot hold is refused, never sent as Inf
-            arrays = [a for r in results if (a := _array_of(r, name)) is not None]
-            check_arrays(name, arrays, _FLOAT_TYPES.get(datatype, "float32"))
-        response = _response(request, spec, done, results, outputs, T, raw_scores=params.get("raw_scores") is True)
-        if any(plan.cut(i) for i in range(len(results))):
-            response.parameters["truncated"].bool_param = True
-        if plan.chunks:
-            response.parameters["windows"].int64_param = sum(len(c.starts) for c in plan.chunks if c is not None)
-        return response
-
-
-# The plan's field names, as this door's wire has them (service/plan.py `Names`).
 IDS_NAMES = Names(
     sequences=IDS, sequence="{kind}[{i}]", element="{kind}[{i}, {j}]",
     kinds=(("ids", IDS), ("embeddings", EMBEDDINGS), ("text", TEXT)), request_id="id", output="outputs",
@@ -403,17 +120,17 @@ def _sizes(plan: Plan, spec: ModelSpec, padded_to: int) -> Sizes:
     return Sizes(attention, hidden + pooled + heads + attention + 1024 + len(plan.request_id))  # + names, shapes
 
 
-def _final_flag(request: Any) -> bool:
+def final_flag(request: Any) -> bool:
     """Triton's `triton_enable_empty_final_response`: mark each (single) response as the request's last."""
     flag = request.parameters.get("triton_enable_empty_final_response")
     return flag is not None and flag.bool_param
 
 
-def _names(spec: ModelSpec, name: str, version: str) -> bool:
+def names_model(spec: ModelSpec, name: str, version: str) -> bool:
     return name == spec.name and version in ("", spec.version)
 
 
-def _parameters(parameters: Any) -> dict[str, Any]:
+def parameters(parameters: Any) -> dict[str, Any]:
     """Request parameters by name, as Python values; unknown names refused."""
     values = {}
     for name, value in parameters.items():
@@ -432,7 +149,7 @@ def _str_param(params: dict[str, Any], name: str, allowed: Sequence[str], defaul
     return value.lower()
 
 
-def _int_param(params: dict[str, Any], name: str, default: int) -> int:
+def int_param(params: dict[str, Any], name: str, default: int) -> int:
     value = params.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(f"parameters.{name}", f"must be a non-negative integer; got {shown(value)}")
@@ -520,8 +237,9 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
             if name in params:
                 raise InvalidInput(f"parameters.{name}", f"applies to embeddings, not to {task}")
         return Ask(inputs=(), request_id=request.id, return_hidden=False, task=task, query=query, truncate=truncate,
+                   raw_scores=params.get("raw_scores") is True,
                    long_inputs=_str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None,
-                   chunk_stride=_int_param(params, "chunk_stride", 0),
+                   chunk_stride=int_param(params, "chunk_stride", 0),
                    attention=_layers(params) if wants_attention else None,
                    heads=_str_param(params, "attention_heads", HEADS, "all"),
                    attention_dtype=_DTYPE[outputs.get(ATTENTION, "FP32")])
@@ -531,7 +249,7 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
         heads=_str_param(params, "attention_heads", HEADS, "all"),
         attention_dtype=_DTYPE[outputs.get(ATTENTION, "FP32")],
         long_inputs=_str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None,
-        truncate=truncate, chunk_stride=_int_param(params, "chunk_stride", 0), prompt_name=prompt,
+        truncate=truncate, chunk_stride=int_param(params, "chunk_stride", 0), prompt_name=prompt,
         dimensions=_dimensions(params), quantization=_str_param(params, "quantization", QUANTIZATIONS, "none"),
         quantization_ranges=_ranges(params),
         sparse=(0, 0.0) if SPARSE in outputs else None,
@@ -734,22 +452,76 @@ def _array_of(output: Output, name: str) -> np.ndarray | None:
     return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
 
 
-def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequence[Output],
-              outputs: dict[str, str], T: int, raw_scores: bool = False) -> Any:
-    """`done`: every job's (windows each); `results`: one output per row (chunked rows stitched)."""
-    widest = max(done, key=lambda d: d.batch_size)
-    response = v2.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=request.id)
+@dataclass(frozen=True)
+class InferCall:
+    """A decoded ModelInferRequest: the plan's `Ask` and this door's field names for it, the outputs asked
+    (name -> datatype, in the order asked), and the length the response pads rows to (0: the longest row
+    that ran)."""
+
+    request: Any
+    ask: Ask
+    names: Names
+    outputs: dict[str, str]
+    padded_to: int
+
+    def size(self, plan: Plan, spec: ModelSpec) -> Sizes:
+        """The response's size (the plan's response-size function)."""
+        return _sizes(plan, spec, self.padded_to or max(job.length for job in plan.sequences))
+
+    def datatypes(self, plan: Plan) -> dict[str, str]:
+        """Each output's datatype as sent: a quantized pooled vector is INT8 or UINT8, not a float."""
+        if plan.vectors is None or plan.vectors.dtype is None:
+            return self.outputs
+        quantized = _QUANTIZED[plan.vectors.quantization]
+        return {name: quantized if name in (POOLED, EMBEDDINGS) else datatype
+                for name, datatype in self.outputs.items()}
+
+    def check(self, plan: Plan, results: Sequence[Output]) -> None:
+        """A result FP16 (or BF16) cannot hold is refused, never sent as Inf (the run's output check)."""
+        for name, datatype in self.datatypes(plan).items():
+            arrays = [a for r in results if (a := _array_of(r, name)) is not None]
+            check_arrays(name, arrays, _FLOAT_TYPES.get(datatype, "float32"))
+
+
+def decode_infer(request: Any, params: dict[str, Any], spec: ModelSpec, config: ServiceConfig) -> InferCall:
+    """A ModelInferRequest (its parameters already read, `parameters`) as the call the plan runs: outputs,
+    then inputs (counts and sizes checked before any tensor is decoded), then the options."""
+    outputs = _requested(request, config.allow_attention, spec)
+    inputs, texts = _inputs(request, spec, config)
+    ask = _ask(request, params, outputs, spec)
+    if ask.task == "rerank":
+        check_task("rerank", spec, "parameters.query")  # the model's lack named before the inputs' kind
+    if ask.task == "rerank" and texts is None:
+        raise InvalidInput(TEXT, "required with parameters.query: the texts to rerank, one a row (BYTES)")
+    if texts is not None:
+        ask = dataclasses.replace(ask, inputs=texts)
+        return InferCall(request, ask, RERANK_NAMES if ask.task == "rerank" else TEXT_NAMES, outputs, 0)
+    ids = inputs.get(IDS)
+    if ids is None:
+        raise InvalidInput(IDS, f"required (INT32 or INT64, [batch, T]), or {TEXT} (BYTES, [batch])")
+    batch, T = ids.shape
+    lengths = _lengths(inputs, batch, T)
+    ask = dataclasses.replace(ask, inputs=[ids[i, : lengths[i]] for i in range(batch)])
+    return InferCall(request, ask, IDS_NAMES, outputs, min(T, spec.max_length) if _truncating(ask) else T)
+
+
+def infer_response(call: InferCall, ran: Ran) -> Any:
+    """The ModelInferResponse of a call that ran: every output asked, rows padded to the call's length."""
+    plan, spec, results = ran.plan, ran.spec, ran.outputs
+    T = call.padded_to or max(job.length for job in plan.sequences)
+    response = v2.ModelInferResponse(model_name=spec.name, model_version=spec.version, id=call.request.id)
     p = response.parameters
     # attention.v1's ResponseMetadata, as parameters.
-    p["queue_us"].int64_param = int(max(d.queue_s for d in done) * 1e6)
-    p["compute_us"].int64_param = int(max(d.compute_s for d in done) * 1e6)
-    p["batch_size"].int64_param = widest.batch_size
-    p["padded_length"].int64_param = widest.padded_length
+    facts = ran.batch
+    p["queue_us"].int64_param = int(facts.queue_s * 1e6)
+    p["compute_us"].int64_param = int(facts.compute_s * 1e6)
+    p["batch_size"].int64_param = facts.batch_size
+    p["padded_length"].int64_param = facts.padded_length
     p["precision"].string_param = spec.precision
     p["device"].string_param = spec.device
-    p["fp32_retry"].bool_param = any(d.output.fp32_rerun for d in done)
+    p["fp32_retry"].bool_param = facts.fp32_retry
     batch, d_model = len(results), spec.d_model
-    for name, datatype in outputs.items():
+    for name, datatype in call.datatypes(plan).items():
         if name == HIDDEN:
             array = np.zeros((batch, T, d_model), np.float32)  # (B, T, D), zeros past each row's length
             for i, r in enumerate(results):
@@ -761,13 +533,10 @@ def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequ
             assert len(pooled) == batch, "pooled vectors asked for, not all returned. This is a bug."
             array = np.stack(pooled)  # (B, D)
         elif name in (SPARSE, LOGITS):
-            scores = [r.scores for r in results if r.scores is not None]
-            assert len(scores) == batch, "a head's output asked for, not all returned. This is a bug."
-            array = np.stack(scores)  # (B, vocab) SPLADE weights, or (B, labels) logits
+            array = np.stack(ran.logits)  # (B, vocab) SPLADE weights, or (B, labels) logits
         elif name == SCORES:
-            logits = [r.scores for r in results if r.scores is not None]
-            assert len(logits) == batch, "rerank logits asked for, not all returned. This is a bug."
-            array = np.asarray(rerank_scores(logits, raw_scores), np.float32)  # (B,), in the rows' order
+            assert ran.scores is not None, "rerank scores asked for, none computed. This is a bug."
+            array = np.asarray(ran.scores, np.float32)  # (B,), in the rows' order
         else:
             attention = [r.attention for r in results if r.attention is not None]
             assert len(attention) == batch, "attention asked for, not all returned. This is a bug."
@@ -778,6 +547,10 @@ def _response(request: Any, spec: ModelSpec, done: Sequence[Done], results: Sequ
                 array[i, :, :, :t, :t] = a
         response.outputs.add(name=name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(_encode(array, datatype))
+    if any(plan.cut(i) for i in range(len(results))):
+        response.parameters["truncated"].bool_param = True
+    if plan.chunks:
+        response.parameters["windows"].int64_param = sum(len(c.starts) for c in plan.chunks if c is not None)
     return response
 
 
@@ -787,3 +560,4 @@ def _encode(array: np.ndarray, datatype: str) -> bytes:
     if datatype == "BF16":
         return bytes(float32_to_bfloat16_bits(array).tobytes())
     return np.ascontiguousarray(array, "<f2" if datatype == "FP16" else "<f4").tobytes()
+

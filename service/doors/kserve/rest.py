@@ -1,5 +1,5 @@
-"""KServe v2 REST (the Open Inference Protocol over HTTP, as Triton and tritonclient.http speak it):
-JSON <-> the v2 protobuf messages of the gRPC door (service/doors/kserve_v2.py), which does the rest.
+"""KServe v2 REST (the Open Inference Protocol over HTTP, as Triton and tritonclient.http speak it): routes of
+the HTTP door, JSON <-> the v2 protobuf messages, over the transport-free core (service/doors/kserve/core.py).
 
 An infer body is JSON, or, with `Inference-Header-Content-Length: N`, N bytes of JSON followed by
 the binary tensors of the inputs whose parameters carry `binary_data_size`, in input order (Triton's
@@ -14,11 +14,24 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from aiohttp import web
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as v2
 
 from proto.attention.v1.codec import bfloat16_bits_to_float32
-from service.doors.http.wire import Dialect, json_object, kind, parse_json
+from service.doors.http import deadline
+from service.doors.http.wire import (
+    JSON,
+    Dialect,
+    Route,
+    Routes,
+    json_object,
+    json_response,
+    kind,
+    parse_json,
+    read_body,
+)
+from service.doors.kserve.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, KServe
 from service.errors import InvalidInput, ServiceError
 
 HEADER = "Inference-Header-Content-Length"
@@ -231,3 +244,75 @@ def message(msg: Any) -> dict[str, Any]:
     """A v2 message as JSON: protobuf's own mapping, proto field names (Triton's HTTP shapes)."""
     value: dict[str, Any] = json_format.MessageToDict(msg, preserving_proto_field_name=True)
     return value
+
+
+class KServeRest:
+    """The REST routes (Triton's HTTP endpoints) over the KServe core."""
+
+    def __init__(self, core: KServe) -> None:
+        self._core = core
+        self._config = core.calls.config
+
+    def routes(self) -> Routes:
+        routes = [Route("GET", "/v2", self.server_metadata),
+                  Route("GET", "/v2/health/live", self.live, health=True),
+                  Route("GET", "/v2/health/ready", self.ready, health=True),
+                  Route("GET", "/v2/models/stats", self.all_stats)]  # before /v2/models/{model}
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            routes += [Route("GET", base, self.model_metadata), Route("GET", f"{base}/ready", self.model_ready),
+                       Route("GET", f"{base}/config", self.model_config),
+                       Route("GET", f"{base}/stats", self.model_stats), Route("POST", f"{base}/infer", self.infer)]
+        return Routes(DIALECT, "/v2", routes)
+
+    async def server_metadata(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
+                              "extensions": [*EXTENSIONS, "binary_tensor_data"]})
+
+    async def live(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.StreamResponse:
+        self._core.calls.serving.require_serving()
+        return web.Response(status=200)
+
+    def _names(self, request: web.Request) -> tuple[str, str]:
+        return request.match_info["model"], request.match_info.get("version", "")
+
+    async def model_metadata(self, request: web.Request) -> web.StreamResponse:
+        name, version = self._names(request)
+        meta = self._core.model_metadata(v2.ModelMetadataRequest(name=name, version=version))
+        tensors = [[{"name": t.name, "datatype": t.datatype, "shape": [int(d) for d in t.shape]} for t in group]
+                   for group in (meta.inputs, meta.outputs)]
+        return json_response({"name": meta.name, "versions": list(meta.versions), "platform": meta.platform,
+                              "inputs": tensors[0], "outputs": tensors[1]})
+
+    async def model_ready(self, request: web.Request) -> web.StreamResponse:
+        name, version = self._names(request)
+        self._core.served(name, version)  # unknown: 404
+        self._core.calls.serving.require_serving()
+        ready = self._core.model_ready(v2.ModelReadyRequest(name=name, version=version)).ready
+        return web.Response(status=200 if ready else 503)
+
+    async def model_config(self, request: web.Request) -> web.StreamResponse:
+        name, version = self._names(request)
+        config = self._core.model_config(v2.ModelConfigRequest(name=name, version=version)).config
+        return json_response(message(config))
+
+    async def model_stats(self, request: web.Request) -> web.StreamResponse:
+        name, version = self._names(request)
+        return json_response(message(self._core.model_statistics(v2.ModelStatisticsRequest(name=name,
+                                                                                          version=version))))
+
+    async def all_stats(self, request: web.Request) -> web.StreamResponse:
+        return json_response(message(self._core.model_statistics(v2.ModelStatisticsRequest())))
+
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        raw = await read_body(request, self._config.max_message_bytes, self._config.http_read_timeout_s)
+        header, binary = split(raw, request.headers.get(HEADER))
+        name, version = self._names(request)
+        infer, binary_out = infer_request(header, binary, name, version)
+        response = await self._core.infer(infer, deadline.remaining())
+        body, header_length = infer_response(response, binary_out)
+        if header_length is None:
+            return web.Response(body=body, content_type=JSON)
+        return web.Response(body=body, content_type="application/octet-stream", headers={HEADER: str(header_length)})

@@ -1,34 +1,30 @@
-"""The gRPC side of a serving process: the server options, and the server with every front door
-(attention.v1, KServe v2, health, reflection) behind the metrics and auth interceptors.
-
-Kept apart from service/server.py so that an edge process (service/multiproc/) builds the same
-server without importing the model stack (torch).
+"""The gRPC server of a serving process: its options, the server with the gRPC doors it is handed (and
+health and reflection) behind the metrics and auth interceptors, its view for the drain, and the ledger of
+its calls. The doors themselves are assembled by service/doors/build.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.doors.attention_v1 import AttentionServicer
-from service.doors.calls import Calls, Serving
+from service.doors.calls import Serving
 from service.doors.grpc_metrics import MetricsInterceptor
-from service.doors.kserve_v2 import SERVICE_NAME as KSERVE_NAME
-from service.doors.kserve_v2 import KServeServicer
 from service.doors.message_wait import MessageWaitInterceptor
 from service.doors.security import AuthInterceptor, TokenChecker, load_tokens, server_credentials
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
+INFRASTRUCTURE = (health.SERVICE_NAME, reflection.SERVICE_NAME)  # on every server; not doors
 
 
 def grpc_options(config: ServiceConfig, *, reuse_port: bool = False) -> list[tuple[str, Any]]:
@@ -69,38 +65,40 @@ def grpc_options(config: ServiceConfig, *, reuse_port: bool = False) -> list[tup
 
 
 @dataclass
-class Front:
-    """A bound (not started) gRPC server with every front door."""
+class GrpcServer:
+    """A bound (not started) gRPC server with every gRPC door."""
 
-    grpc: grpc.aio.Server
+    server: grpc.aio.Server
     port: int
-    servicer: AttentionServicer
-    kserve: KServeServicer
     tokens: int  # bearer tokens configured
     tls: bool
 
 
-def build_front(config: ServiceConfig, edge: Calls, metrics: Metrics, health_servicer: health.aio.HealthServicer,
-                workers: int, *, reuse_port: bool = False) -> Front:
-    """The gRPC server bound to config.host:config.port. Raises RuntimeError "Failed to bind" when the
-    port is taken (so_reuseport 0: no silent sharing)."""
-    servicer = AttentionServicer(edge, metrics)
-    # The KServe v2 front door: the same edge (admission, batcher, outcome), error table and metrics.
-    kserve = KServeServicer(edge, metrics, workers)
-    doors = [SERVICE_NAME, KSERVE_NAME]
+class GrpcDoor(Protocol):
+    """A gRPC door: its service's full name (for metrics, reflection and the ledger) and its handlers."""
+
+    SERVICE_NAME: str
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler: ...
+
+
+def build_grpc_server(config: ServiceConfig, doors: Sequence[GrpcDoor], metrics: Metrics,
+                      health_servicer: health.aio.HealthServicer, *, reuse_port: bool = False) -> GrpcServer:
+    """The gRPC server with `doors`, health and reflection, bound to config.host:config.port. Raises
+    RuntimeError "Failed to bind" when the port is taken (so_reuseport 0: no silent sharing)."""
+    services = [door.SERVICE_NAME for door in doors]
     # Outer to inner: auth (below), metrics, the bounded wait for a unary call's message.
-    interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics, doors),
+    interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics, services),
                                                        MessageWaitInterceptor(config.default_timeout_s)]
     tokens = load_tokens(config)
     if tokens:
         # Outermost: nothing else runs for an unauthenticated call.
         interceptors.insert(0, AuthInterceptor(TokenChecker(tokens), metrics))
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config, reuse_port=reuse_port))
-    server.add_generic_rpc_handlers((servicer.rpc_handler(), kserve.rpc_handler()))
+    server.add_generic_rpc_handlers([door.rpc_handler() for door in doors])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if config.reflection:
-        names = (SERVICE_NAME, KSERVE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
+        reflection.enable_server_reflection((*services, *INFRASTRUCTURE), server)
     address = f"{config.host}:{config.port}"
     credentials = server_credentials(config)
     if credentials is None:
@@ -109,11 +107,11 @@ def build_front(config: ServiceConfig, edge: Calls, metrics: Metrics, health_ser
         port = server.add_secure_port(address, credentials)
     if tokens and credentials is None:
         log.warning("bearer tokens over plaintext: anyone on the path can read them; configure TLS")
-    return Front(server, port, servicer, kserve, len(tokens), credentials is not None)
+    return GrpcServer(server, port, len(tokens), credentials is not None)
 
 
 def ledger(registry: CollectorRegistry) -> dict[str, Any]:
-    """The call ledger of both front doors (AttentionService, KServe v2) from the metrics: every
+    """The call ledger of the gRPC doors (every service but health and reflection) from the metrics: every
     started call handled, by code, and what the queue still holds. Read at exit, and by tests."""
     started = 0.0
     handled: dict[str, float] = {}
@@ -121,7 +119,8 @@ def ledger(registry: CollectorRegistry) -> dict[str, Any]:
     values: dict[str, float] = {}
     for family in registry.collect():
         for sample in family.samples:
-            if sample.labels.get("grpc_service") in (SERVICE_NAME, KSERVE_NAME):
+            service = sample.labels.get("grpc_service")
+            if service is not None and service not in INFRASTRUCTURE:
                 if sample.name == "grpc_server_started_total":
                     started += sample.value
                 elif sample.name == "grpc_server_handled_total":

@@ -1,0 +1,177 @@
+"""What every gRPC door shares: a request message from its bytes, a call's time budget, a unary call's
+answer, a bidirectional stream's loop and one request's outcome in it, and a `ServiceError` as a rich
+grpc status.
+
+`Rpc.answer` runs a unary handler's work and turns whatever it raised into the caller's status (never
+UNKNOWN); `Rpc.stream` is a bidirectional stream's loop and `Rpc.answer_in_stream` one request's outcome in
+it. Every exception is mapped by the shared call layer (service/doors/calls.py `Calls.failure`). Our own
+`CancelledError`s never escape a handler (a caller would hang until its deadline, grpc/grpc#29248). The
+final status code of an RPC is counted in one place, service/doors/grpc_metrics.py, which reads it from
+the call's context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from service.batching.types import DEADLINE_SLACK_S
+from service.config import ServiceConfig
+from service.doors.calls import Calls, being_cancelled
+from service.errors import InvalidInput, Overloaded, ServiceError, status_of
+
+MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
+
+
+def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
+    """Whether the caller's deadline has passed (the one deadline predicate of the service), within
+    DEADLINE_SLACK_S: a cancellation that close to it is the caller's own deadline timer."""
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= DEADLINE_SLACK_S
+
+
+def cancel_code(context: grpc.aio.ServicerContext) -> str:
+    """The code of a call that grpcio ended under us: the status our handler had already sent (a stopping
+    server cancels every handler still running, one that has just answered "shutting down" too), else
+    its deadline passed, or its caller left."""
+    sent = context.code()
+    if sent is not None and sent != grpc.StatusCode.OK:
+        name: str = (sent if isinstance(sent, grpc.StatusCode) else grpc.StatusCode(sent)).name
+        return name
+    return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
+
+
+def remaining(context: grpc.aio.ServicerContext, config: ServiceConfig) -> float:
+    """Seconds this call may take: the caller's deadline, or `default_timeout_s` when it set none
+    (`time_remaining()` is None then: never taken as 0). A caller's longer deadline is honoured."""
+    left = context.time_remaining()
+    return config.default_timeout_s if left is None else left
+
+
+class Rpc:
+    """The gRPC side of the shared call layer: how a door's handler answers (module docstring)."""
+
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+        self.config = calls.config
+
+    async def answer(self, method: str, context: grpc.aio.ServicerContext,
+                     work: Callable[[], Awaitable[bytes]]) -> bytes:
+        """Run a unary call's `work`; any failure becomes the caller's status (never UNKNOWN)."""
+        try:
+            return await work()
+        except asyncio.CancelledError as exc:
+            if being_cancelled():
+                raise  # the caller cancelled or its deadline passed (grpcio cancels the handler task)
+            error = self.calls.failure(exc, method)  # our own code cancelled something this call awaited
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            error = self.calls.failure(exc, method)
+        try:
+            await context.abort_with_status(grpc_status(error))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            # The call ended (its deadline passed, or the caller left) just as we answered it, so
+            # grpcio cannot send our status; the caller has its own. Not an UNKNOWN: a cancellation.
+            raise asyncio.CancelledError from None
+        raise AssertionError("abort returned. This is a bug.")
+
+    async def stream(self, requests: AsyncIterator[bytes],
+                     one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]:
+        """A bidirectional stream: each request answered by `one` (which answers its own failures, see
+        `answer_in_stream`), in completion order.
+
+        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once:
+        a request holds its slot until its answer is taken for sending, and the answers waiting are
+        bounded too, so a caller that sends and never reads stops being read (HTTP/2 flow control
+        then holds its sends) instead of growing the server's memory."""
+        limit = self.config.max_stream_inflight
+        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit)
+        slots = asyncio.Semaphore(limit)
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def run(raw: bytes) -> None:
+            try:
+                await out.put(await one(raw))
+            finally:
+                slots.release()
+
+        async def read() -> None:
+            try:
+                async for raw in requests:
+                    await slots.acquire()
+                    task = asyncio.create_task(run(raw))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.wait(set(tasks))
+            finally:
+                await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await out.get()) is not None:
+                yield item
+            await reader  # surfaces a broken request stream
+        finally:
+            for task in (reader, *tasks):
+                task.cancel()
+
+    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
+                               failed: Callable[[ServiceError], bytes]) -> bytes:
+        """One request of a stream: `work()`, or `failed(error)` with the error a caller sees; counted
+        in attention_requests_total. The stream goes on either way (unless the call is being cancelled)."""
+        started = time.perf_counter()
+        try:
+            response, code = await work(), "OK"
+        except Exception as exc:  # every request of the stream gets an answer, whatever failed
+            error = self.calls.failure(exc, method)
+            response, code = failed(error), status_of(error)
+        except asyncio.CancelledError as exc:
+            if being_cancelled():
+                raise
+            error = self.calls.failure(exc, method)
+            response, code = failed(error), status_of(error)
+        self.calls.metrics.observe_request(method, code, time.perf_counter() - started)
+        return response
+
+
+def parse(message_type: Any, raw: bytes) -> Any:
+    """A request message from its bytes; malformed bytes are INVALID_ARGUMENT (grpcio would say UNKNOWN)."""
+    try:
+        return message_type.FromString(raw)
+    except (DecodeError, RuntimeError, ValueError):
+        raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
+
+
+def public(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 4] + " ..."
+
+
+def grpc_status(exc: ServiceError) -> grpc.Status:
+    """The rich status for `exc`: its code and public message, with a BadRequest or RetryInfo detail."""
+    code = getattr(code_pb2, status_of(exc))
+    details = []
+    if isinstance(exc, InvalidInput):
+        details.append(error_details_pb2.BadRequest(field_violations=[error_details_pb2.BadRequest.FieldViolation(
+            field=public(exc.field), description=public(exc.description))]))
+    elif isinstance(exc, Overloaded):
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
+        details.append(retry)
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)
+        packed.append(any_detail)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=public(exc.message), details=packed))
