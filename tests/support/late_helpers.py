@@ -151,7 +151,7 @@ def write_bge_m3(directory: Path, *, seed: int = 17, dim: int = 32) -> Path:
         weight, bias = _linear(out, 32, seed + offset, True)
         assert bias is not None
         if name == "sparse_linear.pt":
-            bias = bias + 0.2  # most tokens get a weight above 0 (relu), a few do not
+            bias = bias + 1.5  # most tokens get a weight above 0 (relu), some do not
         torch.save({"weight": weight, "bias": bias}, directory / name)
     (directory / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
