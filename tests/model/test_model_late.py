@@ -5,6 +5,7 @@ The vectors themselves are held to the references at the runner: tests/service/t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import string
 import subprocess
@@ -90,6 +91,10 @@ def test_settings_checks() -> None:
                                 "multi_vector": {"query_length": 8, "document_length": 8, "extra": 1}})
     plain = TextSettings(tokenizer_sha256="0" * 64, max_tokens=8)
     assert "multi_vector" not in plain.to_dict()  # other text bundles keep the key set older servers accept
+    # An edge process gets the settings as JSON of dataclasses.asdict (service/multiproc/frames.py HELLO).
+    late = TextSettings(tokenizer_sha256="0" * 64, max_tokens=8,
+                        multi_vector=MultiVectorSettings(query_length=8, document_length=8, skip_ids=(5, 1)))
+    assert TextSettings(**json.loads(json.dumps(dataclasses.asdict(late)))) == late
 
 
 def _refused(src: Path, out: Path, *fragments: str) -> None:
