@@ -44,6 +44,7 @@ MODEL_FILE = "model.pt"
 AOTI_FILE = "model.pt2"  # optional: the AOTInductor package of model/aoti.py (manifest.aoti)
 MANIFEST_FILE = "manifest.json"
 DIAGNOSTICS_METHOD = "diagnostics"  # Encoder.diagnostics, kept through freezing (load_bundle)
+UNPACKED_METHOD = "forward_unpacked"  # Encoder.forward_unpacked (query expansion), kept through freezing too
 FAULT_MODEL_NAME = "fault-model"  # bundles whose TorchScript calls the ops model.fault_ops registers
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Largest relative error of reduced-precision hidden states vs fp32 that export accepts (max |diff| /
@@ -202,13 +203,17 @@ def _ranges(value: Any, d_model: int) -> tuple[tuple[float, ...], tuple[float, .
     return low, high
 
 
-TASKS = ("embed", "classify", "rerank", "sparse")
+TASKS = ("embed", "classify", "rerank", "sparse", "colbert")
+COLBERT_REDUCTIONS = ("sum", "mean")  # MaxSim over query tokens: summed (ColBERT, PyLate) or averaged (BGE-M3)
+SPARSE_KINDS = ("splade", "lexical")  # a masked-LM head's SPLADE vector; BGE-M3's lexical weights
 HEADS_DIR = "heads"
 
 
 def check_tasks(tasks: Any) -> dict[str, dict[str, Any]]:
     """manifest.tasks, checked: known task names; classify and rerank name their head file (under heads/), its
-    sha256 and the labels in id order (rerank: exactly one); ValueError naming the key."""
+    sha256 and the labels in id order (rerank: exactly one); colbert its head file, the vectors' `dim` and
+    how MaxSim reduces over query tokens (`reduce`: sum | mean); sparse may say its `kind` (splade |
+    lexical; unset: splade); ValueError naming the key."""
     if not isinstance(tasks, Mapping) or not tasks:
         raise ValueError(f"manifest.tasks must be a non-empty JSON object, got {tasks!r}")
     out: dict[str, dict[str, Any]] = {}
@@ -232,6 +237,14 @@ def check_tasks(tasks: Any) -> dict[str, dict[str, Any]]:
             problem = entry.get("problem_type", "single_label_classification")
             if problem not in PROBLEM_TYPES:
                 raise ValueError(f"{where}.problem_type must be one of {list(PROBLEM_TYPES)}, got {problem!r}")
+        if name == "colbert":
+            dim, reduce = entry.get("dim"), entry.get("reduce")
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+                raise ValueError(f"{where}.dim must be an int >= 1, got {dim!r}")
+            if reduce not in COLBERT_REDUCTIONS:
+                raise ValueError(f"{where}.reduce must be one of {list(COLBERT_REDUCTIONS)}, got {reduce!r}")
+        if name == "sparse" and entry.get("kind", "splade") not in SPARSE_KINDS:
+            raise ValueError(f"{where}.kind must be one of {list(SPARSE_KINDS)}, got {entry.get('kind')!r}")
         out[str(name)] = dict(entry)
     return out
 
@@ -591,9 +604,9 @@ def _save_heads(directory: Path, tasks: Mapping[str, Mapping[str, Any]], heads: 
         with _quiet_jit():
             torch.jit.save(torch.jit.script(head), str(path))
             loaded = torch.jit.load(str(path), map_location="cpu")
-        hidden, lengths = probe(head, d_model)
+        inputs = probe(head, d_model)
         with torch.inference_mode():
-            if not torch.allclose(loaded(hidden, lengths), head(hidden, lengths), atol=_FP32_ATOL, rtol=0):
+            if not torch.allclose(loaded(*inputs), head(*inputs), atol=_FP32_ATOL, rtol=0):
                 raise BundleError(f"{path}: the scripted head differs from the eager module")
         sums[file] = file_sha256(path)
     out = {name: dict(entry) for name, entry in tasks.items()}
@@ -711,9 +724,9 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
         raise BundleError(f"{model_path} could not be loaded as TorchScript: {e}") from e
     _check_module(module, manifest, model_path)  # fp32, before the cast and freeze
     heads = _load_heads(directory, manifest, device)
-    # Freezing keeps only `forward` unless told: keep the diagnostics entry point where the bundle has one
-    # (bundles exported before it, and wrappers that export only forward, do not).
-    preserved = [name for name in (DIAGNOSTICS_METHOD,) if module._c._has_method(name)]
+    # Freezing keeps only `forward` unless told: keep the diagnostics and unpacked entry points where the bundle
+    # has them (bundles exported before them, and wrappers that export only forward, do not).
+    preserved = [name for name in (DIAGNOSTICS_METHOD, UNPACKED_METHOD) if module._c._has_method(name)]
     module = module.to(dtype).eval()
     table = None
     if any(int(head.type_delta.numel()) for head in heads.values() if hasattr(head, "type_delta")):
@@ -726,6 +739,12 @@ def load_bundle(directory: str | os.PathLike[str], *, device: str | torch.device
 def has_diagnostics(module: Any) -> bool:
     """Whether a loaded bundle's module has Encoder.diagnostics (attention health sampling)."""
     return bool(module._c._has_method(DIAGNOSTICS_METHOD))
+
+
+def has_unpacked(module: Any) -> bool:
+    """Whether a loaded bundle's module has Encoder.forward_unpacked (query expansion tokens not attended);
+    bundles exported before it do not."""
+    return bool(module._c._has_method(UNPACKED_METHOD))
 
 
 class CompiledForward:

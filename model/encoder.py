@@ -486,6 +486,24 @@ class Encoder(nn.Module):
         return x, torch.stack(weights, dim=1)  # (B, len(attn_layers), nh, T, T)
 
     @torch.jit.export
+    def forward_unpacked(
+        self,
+        token_ids: Optional[Tensor],
+        embeddings: Optional[Tensor],
+        lengths: Tensor,
+        causal: bool,
+        attn_layers: List[int],
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        """`forward`, never packed: every position past a row's length is computed too, as a query over that row's
+        keys (< length), which is what Hugging Face computes for a position whose attention_mask is 0. ColBERT's
+        query expansion ([MASK] tokens not attended as keys) reads its vectors from those rows; `forward` packs a
+        padded batch and leaves them zeros."""
+        x, weights = self._encode(token_ids, embeddings, lengths, causal, attn_layers, False, False)
+        if len(weights) == 0:
+            return x, None
+        return x, torch.stack(weights, dim=1)  # (B, len(attn_layers), nh, T, T)
+
+    @torch.jit.export
     def diagnostics(
         self, token_ids: Optional[Tensor], embeddings: Optional[Tensor], lengths: Tensor, causal: bool,
     ) -> Tensor:
@@ -498,10 +516,10 @@ class Encoder(nn.Module):
 
     def _encode(
         self, token_ids: Optional[Tensor], embeddings: Optional[Tensor], lengths: Tensor, causal: bool,
-        attn_layers: List[int], diagnose: bool,
+        attn_layers: List[int], diagnose: bool, pack: bool = True,
     ) -> Tuple[Tensor, List[Tensor]]:
         """`forward`'s work: hidden (B, T, C) and, per layer of attn_layers, its weights (or, diagnosing, its
-        `attention_stats`)."""
+        `attention_stats`). pack: a padded batch with host lengths may run packed (`forward_unpacked`: never)."""
         if token_ids is not None and embeddings is None:
             x = self.tok_emb(token_ids)  # (B, T, C)
         elif embeddings is not None and token_ids is None:
@@ -537,7 +555,7 @@ class Encoder(nn.Module):
         if causal:
             mask = mask & (positions[None, :] <= positions[:, None])  # (B, 1, T, T): key j <= query i
         packed: Optional[Tuple[Tensor, Tensor]] = None
-        if real_tokens > 0 and B * T - real_tokens >= real_tokens * self.pack_min_padding:
+        if pack and real_tokens > 0 and B * T - real_tokens >= real_tokens * self.pack_min_padding:
             # Padded, with host lengths: the position-wise layers (projections, feed-forward, LayerNorms)
             # run on the real tokens alone, (N, C); only attention sees the padded grid.
             tokens, grid = packing(lengths, T)

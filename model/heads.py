@@ -16,7 +16,17 @@ same model thread. Heads run in fp32 on the fp32 hidden states.
                  the sequence's real tokens of log(1 + relu(logit)). Rows run a few at a time so that the
                  (rows, T, vocab) logits stay under SPARSE_CHUNK_ELEMENTS.
 
-Both take `forward(hidden (B, T, d_model) fp32, lengths (B,) int64)`.
+  ColbertHead    late interaction (ColBERT, BGE-M3's colbert_linear): each token's hidden state through a
+                 chain of linear layers (PyLate's Dense modules: a bias or not, identity or tanh; ColBERT's
+                 `linear`, no bias; BGE-M3's colbert_linear, with bias), then L2-normalised as F.normalize does
+                 (x / max(|x|, 1e-12)): (B, T, C) -> (B, T, dim), every position (the caller picks the rows).
+
+  LexicalHead    BGE-M3's sparse weights: relu(sparse_linear(h)) per real token, the max per token id over the
+                 sequence scattered into a (B, vocab) vector, its excluded ids (cls, eos, pad, unk) zero; what
+                 FlagEmbedding's _sparse_embedding computes for its lexical matching score. It reads the token
+                 ids: forward(hidden, lengths, ids) (`takes_ids`).
+
+All take `forward(hidden (B, T, d_model) fp32, lengths (B,) int64)` (LexicalHead also the ids (B, T) int64).
 """
 
 
@@ -74,10 +84,70 @@ class SparseHead(nn.Module):
         return torch.cat(parts, dim=0)
 
 
-def probe(head: nn.Module, d_model: int) -> tuple[Tensor, Tensor]:
-    """A seeded input for checking a scripted head against its eager module: (hidden (3, 5, C), lengths)."""
+class ColbertHead(nn.Module):
+    """(B, T, C) hidden states -> (B, T, dim) unit token vectors, every position (module docstring)."""
+
+    dim: Final[int]
+
+    def __init__(self, layers: list[tuple[Tensor, Tensor | None, str]]) -> None:
+        """layers: (weight (out, in), bias (out,) or None, activation "identity" | "tanh"), applied in order."""
+        super().__init__()
+        chain = []
+        for weight, bias, activation in layers:
+            if activation not in ("identity", "tanh"):
+                raise ValueError(f"activation must be identity or tanh, got {activation!r}")
+            linear = nn.Linear(int(weight.shape[1]), int(weight.shape[0]), bias=bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(weight.detach().float())
+                if bias is not None:
+                    linear.bias.copy_(bias.detach().float())
+            chain.append(nn.Sequential(linear, nn.Tanh()) if activation == "tanh" else nn.Sequential(linear))
+        if not chain:
+            raise ValueError("a ColbertHead needs at least one linear layer")
+        self.layers = nn.ModuleList(chain)
+        self.dim = int(layers[-1][0].shape[0])
+
+    def forward(self, hidden: Tensor, lengths: Tensor) -> Tensor:
+        x = hidden
+        for layer in self.layers:
+            x = layer(x)  # (B, T, out)
+        return nn.functional.normalize(x, p=2.0, dim=-1)  # (B, T, dim)
+
+
+class LexicalHead(nn.Module):
+    """(B, T, C) hidden states and (B, T) ids -> (B, vocab) BGE-M3 lexical weights (module docstring)."""
+
+    takes_ids: Final[bool]
+
+    def __init__(self, weight: Tensor, bias: Tensor, vocab_size: int, excluded: list[int]) -> None:
+        super().__init__()
+        self.takes_ids = True
+        self.linear = nn.Linear(int(weight.shape[1]), 1)
+        with torch.no_grad():
+            self.linear.weight.copy_(weight.detach().float().reshape(1, -1))
+            self.linear.bias.copy_(bias.detach().float().reshape(1))
+        self.vocab_size = vocab_size
+        self.register_buffer("excluded", torch.tensor(sorted(set(excluded)), dtype=torch.int64))
+
+    def forward(self, hidden: Tensor, lengths: Tensor, ids: Tensor) -> Tensor:
+        B, T = hidden.size(0), hidden.size(1)
+        weights = torch.relu(self.linear(hidden)).squeeze(-1)  # (B, T)
+        real = torch.arange(T, device=hidden.device)[None, :] < lengths[:, None]  # (B, T)
+        weights = torch.where(real, weights, 0.0)  # padding: no weight (its id is whatever the batch padded with)
+        out = torch.zeros(B, self.vocab_size, dtype=weights.dtype, device=weights.device)
+        out = out.scatter_reduce(1, ids, weights, reduce="amax")  # (B, vocab): the max per id, 0 where absent
+        return out.index_fill(1, self.excluded, 0.0)
+
+
+def probe(head: nn.Module, d_model: int) -> tuple[Tensor, ...]:
+    """A seeded input for checking a scripted head against its eager module: (hidden (3, 5, C), lengths), and
+    the token ids (3, 5) for a head that `takes_ids`."""
     g = torch.Generator().manual_seed(0)
-    return torch.randn(3, 5, d_model, generator=g), torch.tensor([5, 3, 1])
+    hidden, lengths = torch.randn(3, 5, d_model, generator=g), torch.tensor([5, 3, 1])
+    if getattr(head, "takes_ids", False):
+        vocab = int(head.vocab_size)
+        return hidden, lengths, torch.randint(0, vocab, (3, 5), generator=g)
+    return hidden, lengths
 
 
 def pair_embeddings(table: Tensor, type_delta: Tensor, ids: Tensor, types: Tensor) -> Tensor:

@@ -342,7 +342,15 @@ def convert_family(family: Family, state_dict: Mapping[str, torch.Tensor], confi
 
 
 def _pooling(model_dir: Path, modules: list[Any], modules_path: Path) -> tuple[str, bool]:
-    """(pooling, normalize) from modules.json and the Pooling module's config."""
+    """(pooling, normalize) from modules.json and the Pooling module's config. A Transformer then Dense modules
+    and no Pooling is a PyLate ColBERT folder (model/hf_late.py reads its Dense modules): cls, not normalised,
+    as a folder without modules.json."""
+    from model.hf_late import DENSE_MODULES
+
+    kinds = [m.get("type") if isinstance(m, dict) else None for m in modules]
+    if any(k in DENSE_MODULES for k in kinds) and not any(isinstance(k, str) and k.endswith(".Pooling")
+                                                          for k in kinds):
+        return "cls", False
     pooling, normalize = None, False
     for i, module in enumerate(modules):
         kind = module.get("type") if isinstance(module, dict) else None

@@ -27,8 +27,11 @@ from torch import nn
 
 from model.bundle import MANIFEST_FILE, Manifest, build_atomically, read_manifest, save_bundle
 from model.default import ensure_default_bundle
+from model.encoder import Encoder
 from model.hf import HFConversionError, convert_hf, ids_only_note, load_hf_weights
 from model.hf_heads import HeadConversionError, convert_heads
+from model.hf_late import M3_FILES, LateConversionError, LateModel, layout_of, read_late
+from model.text import TextSettings
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # the order model/hf.py load_hf_weights prefers
@@ -67,8 +70,12 @@ def convert_hf_folder(model_dir: str | os.PathLike[str], out: str | os.PathLike[
                       version: str = "1") -> Manifest:
     """`python -m model convert-hf`: the folder as a text bundle in `out` (name: the folder's, by default)."""
     encoder, tokenizer, settings, source = convert_hf(model_dir)
+    late = read_late_heads(model_dir, encoder, tokenizer, settings)
+    if late is not None:  # ColBERT (PyLate, stanford) or BGE-M3: their heads and query/document settings
+        tasks, heads, settings = late.tasks, late.heads, late.settings
+    else:
+        tasks, heads = read_heads(model_dir, encoder.config.d_model)
     text = None if tokenizer is None or settings is None else (tokenizer, settings)  # None: no tokenizer.json
-    tasks, heads = read_heads(model_dir, encoder.config.d_model)
     return save_bundle(encoder, out, name=name or Path(model_dir).resolve().name, version=version, source=source,
                        text=text, tasks=tasks, heads=heads)
 
@@ -87,6 +94,19 @@ def read_heads(model_dir: str | os.PathLike[str], d_model: int) -> tuple[dict[st
         raise HFConversionError(str(e)) from None
 
 
+def read_late_heads(model_dir: str | os.PathLike[str], encoder: Encoder, tokenizer: bytes | None,
+                    settings: TextSettings | None) -> LateModel | None:
+    """A late-interaction folder's heads and text settings (model/hf_late.py); None for any other folder."""
+    config = json.loads((Path(model_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    if layout_of(model_dir, config) is None:
+        return None
+    state_dict, _ = load_hf_weights(model_dir)
+    try:
+        return read_late(model_dir, encoder.config, state_dict, tokenizer, settings)
+    except LateConversionError as e:
+        raise HFConversionError(str(e)) from None
+
+
 def folder_key(model_dir: str | os.PathLike[str]) -> str:
     """sha256 (hex) over the folder's JSON files and the weights file the converter reads (names and bytes),
     the converter's code (model/**/*.py, the key maps) and the torch version that scripts the bundle."""
@@ -96,8 +116,11 @@ def folder_key(model_dir: str | os.PathLike[str]) -> str:
         digest.update(f"code {path.relative_to(_MODEL_CODE).as_posix()}\n".encode())
         digest.update(path.read_bytes())
     weights = next((model_dir / n for n in WEIGHTS_FILES if (model_dir / n).is_file()), None)
-    inputs = [p for p in model_dir.rglob("*.json")
-              if p.is_file() and not any(part.startswith(".") for part in p.relative_to(model_dir).parts)]
+    # The JSON files (modules' configs too), a stanford ColBERT's artifact.metadata, BGE-M3's two head files and a
+    # PyLate Dense module's weights: what the converters read.
+    inputs = [p for p in model_dir.rglob("*") if p.is_file() and (
+        p.suffix in (".json", ".metadata") or p.name in M3_FILES or (p.parent != model_dir and p.name in WEIGHTS_FILES))
+        and not any(part.startswith(".") for part in p.relative_to(model_dir).parts)]
     for path in sorted(inputs + ([weights] if weights is not None else [])):
         digest.update(f"file {path.relative_to(model_dir).as_posix()}\n".encode())
         with path.open("rb") as f:  # streamed: weights run to gigabytes

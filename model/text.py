@@ -10,6 +10,16 @@ sentence-transformers does with the same files:
   Face's tokenizers do (they are matched before normalisation); we keep that, being exact with HF;
 - a named prompt is prepended to the text before tokenizing, and counts towards the limit and the
   pooling, as sentence-transformers' `encode(prompt_name=...)` does with include_prompt=True.
+A late-interaction bundle (ColBERT, BGE-M3) also has `MultiVectorSettings`: `encode(..., mode="query" |
+"document")` then tokenizes as its authors do (PyLate, stanford-futuredata ColBERT, FlagEmbedding):
+- a marker token id ([Q] / [D], or [unused0] / [unused1]) inserted after the first token ([CLS]); the
+  text is cut so that the tokens, marker included, fit the mode's length (query_length, document_length);
+- query expansion: a query shorter than query_length is padded to it with [MASK] ids, which are not
+  attended as keys (`Encoded.attend` counts the tokens that are) unless the model says so; their vectors
+  are kept, as the references keep them;
+- which tokens have a vector (`Encoded.vector_rows`): a query's all (from `first_vector`); a document's
+  but those whose id is in the skip list (punctuation) and those before `first_vector` (BGE-M3 has no
+  vector for its <s>).
 Imports `tokenizers` (Rust; it releases the GIL while encoding), never torch.
 """
 
@@ -27,10 +37,57 @@ import numpy as np
 TOKENIZER_FILE = "tokenizer.json"
 POOLINGS = ("mean", "cls")
 TRUNCATION_SIDES = ("right", "left")
+MODES = ("query", "document")  # encode(mode=...) of a late-interaction bundle
 
 
 class TextError(ValueError):
     """A tokenizer file or text settings cannot be used; the message names the file or field."""
+
+
+def _id_or_none(value: Any, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TextError(f"{where} must be a token id (an int >= 0) or null, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MultiVectorSettings:
+    """A late-interaction model's text side (manifest text.multi_vector): how a query and a document become
+    token ids, and which of their tokens get a vector (module docstring). Ids are the tokenizer's."""
+
+    query_length: int  # a query's tokens, marker included: cut to it, and with expansion padded to it
+    document_length: int  # a document's tokens, marker included: cut to it
+    query_marker: int | None = None  # inserted after a query's first token ([Q], [unused0]); None: none
+    document_marker: int | None = None  # the same for a document ([D], [unused1])
+    expansion_id: int | None = None  # a query padded to query_length with it ([MASK]); None: no expansion
+    attend_expansion: bool = False  # the expansion tokens are attended as keys (PyLate attend_to_expansion_tokens)
+    skip_ids: tuple[int, ...] = ()  # ids whose vectors a document leaves out (ColBERT's punctuation skip list)
+    first_vector: int = 0  # the tokens before it have no vector (BGE-M3: 1, none for its <s>)
+
+    def __post_init__(self) -> None:
+        where = "text.multi_vector"
+        for key in ("query_length", "document_length"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise TextError(f"{where}.{key} must be an int >= 2, got {value!r}")
+        for key in ("query_marker", "document_marker", "expansion_id"):
+            _id_or_none(getattr(self, key), f"{where}.{key}")
+        if not isinstance(self.attend_expansion, bool):
+            raise TextError(f"{where}.attend_expansion must be a bool, got {self.attend_expansion!r}")
+        if isinstance(self.skip_ids, str | bytes) or not isinstance(self.skip_ids, Sequence) or not all(
+                _id_or_none(i, f"{where}.skip_ids[]") is not None for i in self.skip_ids):
+            raise TextError(f"{where}.skip_ids must list token ids, got {self.skip_ids!r}")
+        if self.first_vector not in (0, 1):
+            raise TextError(f"{where}.first_vector must be 0 or 1, got {self.first_vector!r}")
+        object.__setattr__(self, "skip_ids", tuple(sorted(set(self.skip_ids))))
+
+    def length(self, mode: str) -> int:
+        return self.query_length if mode == "query" else self.document_length
+
+    def marker(self, mode: str) -> int | None:
+        return self.query_marker if mode == "query" else self.document_marker
 
 
 @dataclass(frozen=True)
@@ -48,6 +105,9 @@ class TextSettings:
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str = ""  # applied when a call names no prompt (sentence-transformers' rule)
     special_ids: Mapping[str, int] = field(default_factory=dict)  # e.g. {"[CLS]": 101, ...}, informational
+    # A late-interaction model's query and document encoding (MultiVectorSettings); None: none. Left out of the
+    # manifest when None, so other text bundles keep the key set servers before it accept.
+    multi_vector: MultiVectorSettings | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer_sha256, str) or len(self.tokenizer_sha256) != 64:
@@ -72,9 +132,25 @@ class TextSettings:
             raise TextError(f"text.special_ids must map token strings to ids, got {self.special_ids!r}")
         object.__setattr__(self, "prompts", dict(self.prompts))
         object.__setattr__(self, "special_ids", dict(self.special_ids))
+        if isinstance(self.multi_vector, Mapping):  # from JSON (the manifest, an edge process's HELLO)
+            known = {f.name for f in dataclasses.fields(MultiVectorSettings)}
+            unknown = sorted(set(self.multi_vector) - known)
+            if unknown:
+                raise TextError(f"unknown text.multi_vector keys {unknown}; known keys are {sorted(known)}")
+            try:
+                object.__setattr__(self, "multi_vector", MultiVectorSettings(**self.multi_vector))
+            except TypeError as e:  # a required key missing
+                raise TextError(f"text.multi_vector: {e}") from None
+        elif self.multi_vector is not None and not isinstance(self.multi_vector, MultiVectorSettings):
+            raise TextError(f"text.multi_vector must be an object or null, got {self.multi_vector!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.multi_vector is None:
+            del d["multi_vector"]
+        else:
+            d["multi_vector"]["skip_ids"] = list(self.multi_vector.skip_ids)
+        return d
 
     @classmethod
     def from_dict(cls, data: Any) -> TextSettings:
@@ -98,6 +174,10 @@ class Encoded:
     full_length: int
     tokens: list[str]
     type_ids: np.ndarray | None = None  # int64 [T], pairs only: 0 for the first text, 1 for the second
+    # encode(mode=...) only: the leading tokens attended as keys (the rest are query expansion); 0: all.
+    attend: int = 0
+    # encode(mode=...) only: int64 [n], the positions whose token vectors are returned, ascending.
+    vector_rows: np.ndarray | None = None
 
     @property
     def truncated(self) -> bool:
@@ -138,15 +218,30 @@ class TextTokenizer:
         self._cutting = load_tokenizer_json(data, source)
         self._cutting.enable_truncation(settings.max_tokens, strategy="longest_first",
                                         direction=settings.truncation_side)
+        # A late-interaction model's query and document cutters: the mode's length less the marker inserted after.
+        self._mode_cutting: dict[str, Any] = {}
+        multi = settings.multi_vector
+        if multi is not None:
+            for mode in MODES:
+                cutter = load_tokenizer_json(data, source)
+                cut = multi.length(mode) - (multi.marker(mode) is not None)
+                cutter.enable_truncation(cut, strategy="longest_first", direction=settings.truncation_side)
+                self._mode_cutting[mode] = cutter
 
     def prompt(self, name: str) -> str:
         """The prompt text for `name` ('' = the default prompt, if any); KeyError if unknown."""
         name = name or self.settings.default_prompt_name
         return self.settings.prompts[name] if name else ""
 
-    def encode(self, texts: Sequence[str], *, truncate: bool, prompt: str = "") -> list[Encoded]:
+    def encode(self, texts: Sequence[str], *, truncate: bool, prompt: str = "", mode: str = "") -> list[Encoded]:
         """Tokenize `texts` (with `prompt` prepended). Texts over max_tokens are cut when `truncate`,
-        else returned whole (full_length > max_tokens) for the caller to refuse."""
+        else returned whole (full_length > max_tokens) for the caller to refuse.
+
+        mode "query" or "document" (a bundle with multi-vector settings; TextError otherwise): as its authors
+        encode one (module docstring); the limit is then the mode's length, marker included, and each Encoded
+        says which tokens are attended (`attend`) and which have a vector (`vector_rows`)."""
+        if mode:
+            return self._encode_mode(texts, truncate=truncate, prompt=prompt, mode=mode)
         texts = [prompt + t for t in texts] if prompt else list(texts)
         limit = self.settings.max_tokens
         out = []
@@ -155,6 +250,35 @@ class TextTokenizer:
             if full > limit and truncate:
                 enc = self._cutting.encode(text)
             out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), full, list(enc.tokens)))
+        return out
+
+    def _encode_mode(self, texts: Sequence[str], *, truncate: bool, prompt: str, mode: str) -> list[Encoded]:
+        multi = self.settings.multi_vector
+        if multi is None:
+            raise TextError(f"mode {mode!r}: this tokenizer has no multi-vector (query/document) settings")
+        if mode not in MODES:
+            raise TextError(f"mode must be one of {MODES}, got {mode!r}")
+        texts = [prompt + t for t in texts] if prompt else list(texts)
+        limit, marker = multi.length(mode), multi.marker(mode)
+        out = []
+        for text, enc in zip(texts, self._plain.encode_batch(texts), strict=True):
+            full = len(enc.ids) + (marker is not None)
+            if full > limit and truncate:
+                enc = self._mode_cutting[mode].encode(text)
+            ids, tokens = list(enc.ids), list(enc.tokens)
+            if marker is not None:  # after the first token ([CLS]), as PyLate's and ColBERT's insert_prefix_token
+                ids.insert(1, marker)
+                tokens.insert(1, self._plain.id_to_token(marker) or "")
+            n, attend = len(ids), 0
+            if mode == "query" and multi.expansion_id is not None and n < limit:
+                # Query expansion: [MASK] up to query_length; attended only if the model says so.
+                ids += [multi.expansion_id] * (limit - n)
+                tokens += [self._plain.id_to_token(multi.expansion_id) or ""] * (limit - n)
+                attend = 0 if multi.attend_expansion else n
+            skip = set(multi.skip_ids) if mode == "document" else set()
+            rows = [i for i in range(multi.first_vector, len(ids)) if ids[i] not in skip]
+            out.append(Encoded(np.asarray(ids, dtype=np.int64), full, tokens, attend=attend,
+                               vector_rows=np.asarray(rows, dtype=np.int64)))
         return out
 
     def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool) -> list[Encoded]:

@@ -32,6 +32,15 @@ class Job:
     # int64 [T]: a pair's token types (0 first text, 1 second), for a model whose head has a type delta;
     # None: all 0 (single texts, and models with one token type).
     token_types: np.ndarray | None = None
+    # Late interaction (the bundle's "colbert" head, model/heads.py ColbertHead): return this sequence's token
+    # vectors (Output.vectors), projected and normalised, from the same forward as everything else asked.
+    vectors: bool = False
+    # int64 [n]: the positions (< length, ascending) whose vectors are returned, as TextTokenizer.encode(mode=...)
+    # says (a document's skip list and padding left out, BGE-M3's first token); None: every position.
+    vector_rows: np.ndarray | None = None
+    # The leading tokens attended as keys; those after them (a query's expansion [MASK]s) are computed as queries
+    # but never attended (Encoded.attend). 0: all `length`.
+    attend: int = 0
 
     @property
     def length(self) -> int:
@@ -52,6 +61,7 @@ class Output:
     attention: np.ndarray | None  # float32 [L, H or 1, T, T]
     fp32_rerun: bool  # the reduced-precision output was non-finite, so this is an fp32 re-run's
     scores: np.ndarray | None = None  # float32 [n_labels]: the head's logits (Job.head)
+    vectors: np.ndarray | None = None  # float32 [n, dim]: the token vectors of Job.vector_rows (Job.vectors)
 
 
 @dataclass(frozen=True)
@@ -89,3 +99,9 @@ class ModelSpec:
     problem_type: str = ""  # its Hugging Face problem_type: how scores are computed from logits
     pair_types: bool = False  # the head has a token type delta: a pair's second text gets token type 1
     backend: str = "torchscript"  # what runs the serving forward: torchscript | aoti (service/runner.py)
+    # Late interaction (manifest tasks.colbert): the token vectors' width, 0 without a colbert head; how MaxSim
+    # reduces over query tokens: "sum" (ColBERT, PyLate) or "mean" (BGE-M3); tasks.sparse's kind: "splade" (a
+    # masked-LM head) or "lexical" (BGE-M3's), "" without a sparse head.
+    vector_dim: int = 0
+    colbert_reduce: str = ""
+    sparse_kind: str = ""

@@ -37,7 +37,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from model.bundle import BundleError, CompiledForward, LoadedBundle, has_diagnostics, load_bundle, load_compiled
+from model.bundle import (
+    BundleError,
+    CompiledForward,
+    LoadedBundle,
+    has_diagnostics,
+    has_unpacked,
+    load_bundle,
+    load_compiled,
+)
 from model.heads import pair_embeddings
 from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
@@ -87,6 +95,7 @@ class Runner:
         self.backend = "torchscript"
         self.compiled_forwards = 0  # forwards the compiled backend ran (the rest ran on TorchScript)
         self._heads: dict[str, Any] = {}  # task -> its scripted head (model/heads.py), fp32, on the device
+        self._unpacked = False  # the bundle's encoder has forward_unpacked (Job.attend: query expansion)
         self._tables: dict[int, torch.Tensor | None] = {}  # id(module) -> its word table, for pairs' token types
         self.spec: ModelSpec | None = None
         self._cuda = self.device.type == "cuda"
@@ -117,6 +126,8 @@ class Runner:
             self._tables[id(fp32.module)] = fp32.token_embeddings
         m, cfg = bundle.manifest, bundle.manifest.config
         classify = (m.tasks or {}).get("classify") or {}
+        colbert, sparse = (m.tasks or {}).get("colbert") or {}, (m.tasks or {}).get("sparse")
+        self._unpacked = has_unpacked(self._module)
         self.spec = ModelSpec(
             name=m.name, version=m.version, checksum=m.sha256,
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_layers=cfg.n_layers, vocab_size=cfg.vocab_size,
@@ -127,7 +138,8 @@ class Runner:
             quantization_ranges=m.quantization_ranges,
             tasks=m.task_names, labels=tuple(classify.get("labels", ())),
             problem_type=str(classify.get("problem_type", "")), pair_types=bundle.token_embeddings is not None,
-            backend=self.backend,
+            backend=self.backend, vector_dim=int(colbert.get("dim", 0)), colbert_reduce=str(colbert.get("reduce", "")),
+            sparse_kind="" if sparse is None else str(sparse.get("kind", "splade")),
         )
         if self._config.diagnostics_sample > 0:
             self.diagnostics = has_diagnostics(self._module)
@@ -433,12 +445,14 @@ class Runner:
 
     def _collate(self, module: Any, jobs: Sequence[Job]) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                                                    torch.Tensor]:
-        """(ids (B, T) or None, embeddings (B, T, D) or None, both on the device, lengths (B,) on the host)."""
+        """(ids (B, T) or None, embeddings (B, T, D) or None, both on the device, lengths (B,) on the host: the
+        tokens attended as keys, Job.attend or its length)."""
         spec = self._require_spec()
         first = jobs[0]
         B, T = len(jobs), max(job.length for job in jobs)
         lengths_host = self._host_zeros((B,), torch.int64)
-        lengths_host.numpy()[:] = [job.length for job in jobs]
+        # The keys attended: all the tokens, or only those before a query's expansion (Job.attend).
+        lengths_host.numpy()[:] = [job.attend or job.length for job in jobs]
         ids = emb = None
         if first.token_ids is not None:
             ids_host = self._host_zeros((B, T), torch.int64)
@@ -472,7 +486,8 @@ class Runner:
             rows[row, : job.length] = job.token_types
         return pair_embeddings(table, head.type_delta, ids, types_host.to(self.device, non_blocking=True))
 
-    def _run_heads(self, jobs: Sequence[Job], hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+    def _run_heads(self, jobs: Sequence[Job], hidden: torch.Tensor, lengths: torch.Tensor,
+                   ids: torch.Tensor | None) -> torch.Tensor | None:
         """(B, n_labels) fp32: each row's head logits (rows without a head: zeros); None when no row has one."""
         names = {job.head for job in jobs if job.head}
         if not names:
@@ -481,14 +496,30 @@ class Runner:
         for name in sorted(names):
             rows = [i for i, job in enumerate(jobs) if job.head == name]
             if len(rows) == len(jobs):
-                scores = self._heads[name](hidden, lengths)
+                scores = _call_head(self._heads[name], hidden, lengths, ids)
             else:  # a batch shared with other tasks: the head on its own rows
                 index = torch.tensor(rows, device=hidden.device)
-                part = self._heads[name](hidden.index_select(0, index), lengths.index_select(0, index))
+                part = _call_head(self._heads[name], hidden.index_select(0, index), lengths.index_select(0, index),
+                                  None if ids is None else ids.index_select(0, index))
                 scores = torch.zeros((len(jobs), part.shape[1]), device=hidden.device).index_copy(0, index, part)
             out = scores if out is None else torch.where(
                 torch.tensor([job.head == name for job in jobs], device=hidden.device)[:, None], scores, out)
         return out
+
+    def _run_vectors(self, jobs: Sequence[Job], hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor | None:
+        """(B, T, dim) fp32: the colbert head's unit token vectors, every position of the rows that asked for them
+        (other rows zeros); None when no row did."""
+        rows = [i for i, job in enumerate(jobs) if job.vectors]
+        if not rows:
+            return None
+        head = self._heads.get("colbert")
+        assert head is not None, "token vectors of a model without a colbert head. This is a bug."
+        if len(rows) == len(jobs):
+            vectors: torch.Tensor = head(hidden, lengths)
+            return vectors
+        index = torch.tensor(rows, device=hidden.device)
+        part = head(hidden.index_select(0, index), lengths.index_select(0, index))  # (rows, T, dim)
+        return torch.zeros((len(jobs), *part.shape[1:]), device=hidden.device).index_copy(0, index, part)
 
     def _enqueue(self, module: Any, jobs: Sequence[Job]) -> _Enqueued:
         """Collate, copy in, run, check finiteness and copy out, all queued on the current CUDA stream
@@ -501,6 +532,15 @@ class Runner:
         first = jobs[0]
         ids, emb, lengths_host = self._collate(module, jobs)
         lengths = lengths_host.to(self.device, non_blocking=True)
+        # Query expansion not attended: the rows past a sequence's keys are outputs too, so the batch must not
+        # run packed (which leaves them zeros); `full` counts every token of each sequence.
+        unpacked = any(0 < job.attend < job.length for job in jobs)
+        full = lengths
+        if unpacked:
+            assert self._unpacked, "Job.attend on a bundle without forward_unpacked. This is a bug."
+            full_host = self._host_zeros((len(jobs),), torch.int64)
+            full_host.numpy()[:] = [job.length for job in jobs]
+            full = full_host.to(self.device, non_blocking=True)
         layers = sorted(set(first.attn_layers))
         precision = self.precision if module is self._module else "fp32"
         events = (_timing_event(), _timing_event()) if self._cuda else None
@@ -509,7 +549,9 @@ class Runner:
             if events is not None:
                 events[0].record()
             # Host lengths (pinned on CUDA): the model reads them to skip the mask when nothing is padded.
-            if module is self._module and self._compiled_covers(ids, emb, lengths_host, first.causal, layers):
+            if unpacked:
+                hidden, attention = module.forward_unpacked(ids, emb, lengths_host, first.causal, layers)
+            elif module is self._module and self._compiled_covers(ids, emb, lengths_host, first.causal, layers):
                 assert self._compiled is not None and ids is not None
                 hidden, attention = self._compiled(ids, lengths_host), None
                 self.compiled_forwards += 1
@@ -518,16 +560,20 @@ class Runner:
             hidden = hidden.float()
             if attention is not None:
                 attention = attention.float()
-            finite = self._finite_rows(hidden, attention, lengths)
+            finite = self._finite_rows(hidden, attention, full)
             # Pooled on the device, so a batch that returns only pooled vectors copies B x D values
             # back rather than B x T x D (on a GPU the copy of a large batch costs a good part of its
             # forward); on CPU it saves the per-row pooling.
             pooled = None
             if any(job.pooling != POOL_NONE for job in jobs):
                 pooled = _pool(hidden, lengths, normalized=any(job.normalize for job in jobs))
-            scores = self._run_heads(jobs, hidden, lengths)
+            scores = self._run_heads(jobs, hidden, lengths, ids)
             if scores is not None:
                 finite = finite & torch.isfinite(scores).all(dim=1)
+            vectors = self._run_vectors(jobs, hidden, full)
+            if vectors is not None:
+                real = torch.arange(vectors.shape[1], device=vectors.device)[None, :] < full[:, None]  # (B, T)
+                finite = finite & (torch.isfinite(vectors).all(dim=-1) | ~real).all(dim=-1)
             if attention is not None:
                 if first.heads_mean:
                     attention = attention.mean(dim=2, keepdim=True)  # (B, L, 1, T, T)
@@ -538,6 +584,7 @@ class Runner:
                 precision, self._to_host(hidden) if any(job.return_hidden for job in jobs) else None,
                 self._to_host(pooled) if pooled is not None else None, attention, self._to_host(finite), events,
                 time.perf_counter() - started, self._to_host(scores) if scores is not None else None,
+                self._to_host(vectors) if vectors is not None else None,
             )
             if events is not None:
                 events[1].record()
@@ -576,7 +623,7 @@ class Runner:
         finite = pending.finite.tolist()
         self._observer.on_forward(pending.precision, seconds)
         return _Result(_numpy(pending.hidden), _numpy(pending.pooled), _numpy(pending.attention), finite,
-                       _numpy(pending.scores))
+                       _numpy(pending.scores), _numpy(pending.vectors))
 
     def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place.
@@ -600,6 +647,7 @@ class _Result:
     attention: np.ndarray | None  # [B, L, H or 1, T, T]
     finite: list[bool]  # per row: hidden states (padding excluded) and attention all finite
     scores: np.ndarray | None = None  # [B, n_labels]: head logits; None when no row has a head
+    vectors: np.ndarray | None = None  # [B, T, dim]: colbert token vectors; None when no row asked
 
 
 @dataclass(frozen=True)
@@ -615,6 +663,7 @@ class _Enqueued:
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None  # (start, done), timing the device work
     seconds: float  # host time of the forward: its duration on CPU
     scores: torch.Tensor | None = None  # fp32 [B, n_labels]: head logits
+    vectors: torch.Tensor | None = None  # fp32 [B, T, dim]: colbert token vectors
 
 
 @dataclass(frozen=True)
@@ -694,4 +743,18 @@ def _split(job: Job, result: _Result, row: int, *, fp32_rerun: bool) -> Output:
     scores = None
     if job.head and result.scores is not None:
         scores = np.array(result.scores[row], dtype=np.float32)
-    return Output(hidden, pooled, att, fp32_rerun, scores)
+    vectors = None
+    if job.vectors and result.vectors is not None:
+        rows = job.vector_rows if job.vector_rows is not None else slice(0, job.length)
+        vectors = np.array(result.vectors[row, rows], dtype=np.float32)  # (n, dim), a copy: not a view of the batch
+    return Output(hidden, pooled, att, fp32_rerun, scores, vectors)
+
+
+def _call_head(head: Any, hidden: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """A head's output; one that reads the token ids (BGE-M3's LexicalHead, `takes_ids`) gets them too."""
+    if getattr(head, "takes_ids", False):
+        assert ids is not None, "a head that reads token ids, on embeddings. This is a bug."
+        out: torch.Tensor = head(hidden, lengths, ids)
+        return out
+    out = head(hidden, lengths)
+    return out

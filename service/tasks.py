@@ -8,6 +8,19 @@
                            ties in the texts' order; the first top_n
 
 The logits are each sequence's `Output.scores` (service/runner.py runs the head of model/heads.py).
+
+Late interaction, from each sequence's `Output.vectors` (unit token vectors: the query encoded as a query,
+each text as a document, model/text.py encode(mode=...)) and, for BGE-M3, its pooled dense vector and its
+sparse weights (`Output.scores` of the "sparse" head, a [vocab] vector):
+  maxsim        ColBERT's late interaction: per query vector, its best dot product with the document's
+                vectors, summed over the query vectors (ColBERT, PyLate: reduce "sum") or averaged (BGE-M3's
+                colbert_score: reduce "mean", ModelSpec.colbert_reduce)
+  lexical       BGE-M3's lexical matching score: the sum over the token ids both have of the product of their
+                weights (FlagEmbedding's compute_lexical_matching_score)
+  m3_scores     BGE-M3's compute_score: dense (dot of the normalised vectors), sparse, colbert and the weighted
+                sums "sparse+dense" (w_dense, w_sparse) and "colbert+sparse+dense" (w_dense, w_sparse,
+                w_colbert), each divided by its weights' sum (default weights 1, 1, 1)
+Scores are computed in float64 and returned as Python floats; `ranked` orders them as for a cross-encoder.
 """
 
 from __future__ import annotations
@@ -49,3 +62,53 @@ def sparse_entries(weights: np.ndarray, top_k: int, threshold: float) -> tuple[n
         order = np.lexsort((index, -w[index]))[:top_k]  # by value descending, then index ascending
         index = np.sort(index[order])
     return index.astype(np.int32), w[index]
+
+
+M3_MODES = ("dense", "sparse", "colbert", "sparse+dense", "colbert+sparse+dense")  # BGE-M3 compute_score's keys
+
+
+def maxsim(query: np.ndarray, document: np.ndarray, reduce: str = "sum") -> float:
+    """ColBERT's MaxSim of a query's token vectors [q, dim] against a document's [d, dim] (module docstring).
+    ValueError for a side without vectors or vectors of other widths (the published layouts always give the
+    first token, the marker or the last token a vector)."""
+    q, d = np.asarray(query, dtype=np.float64), np.asarray(document, dtype=np.float64)
+    if q.ndim != 2 or d.ndim != 2 or q.shape[1] != d.shape[1]:
+        raise ValueError(f"maxsim needs [q, dim] and [d, dim] vectors, got {list(q.shape)} and {list(d.shape)}")
+    if not len(q) or not len(d):
+        raise ValueError(f"maxsim of {len(q)} query and {len(d)} document vectors: both need at least one")
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"reduce must be sum or mean, got {reduce!r}")
+    best = (q @ d.T).max(axis=1)  # (q,): each query vector's best document vector
+    return float(best.sum() if reduce == "sum" else best.mean())
+
+
+def maxsim_scores(query: np.ndarray, documents: Sequence[np.ndarray], reduce: str = "sum") -> list[float]:
+    """maxsim of one query against each document, in the documents' order."""
+    return [maxsim(query, d, reduce) for d in documents]
+
+
+def lexical(query: np.ndarray, document: np.ndarray) -> float:
+    """BGE-M3's lexical matching score of two [vocab] sparse weight vectors (their dot product: only the ids
+    both have count)."""
+    a, b = np.asarray(query, dtype=np.float64).reshape(-1), np.asarray(document, dtype=np.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"lexical needs two [vocab] vectors of one size, got {list(a.shape)} and {list(b.shape)}")
+    return float(a @ b)
+
+
+def m3_scores(query: tuple[np.ndarray, np.ndarray, np.ndarray], document: tuple[np.ndarray, np.ndarray, np.ndarray],
+              weights: Sequence[float] = (1.0, 1.0, 1.0)) -> dict[str, float]:
+    """BGE-M3's compute_score for one (query, document) pair, each (dense [dim], sparse [vocab], colbert
+    [n, dim]): the five scores of M3_MODES, weights (w_dense, w_sparse, w_colbert) as FlagEmbedding's
+    weights_for_different_modes. ValueError for weights that are not three finite numbers >= 0 with the sums
+    it divides by above 0."""
+    w = [float(x) for x in weights]
+    if len(w) != 3 or not all(np.isfinite(x) and x >= 0 for x in w) or w[0] + w[1] <= 0:
+        raise ValueError(f"weights must be three finite numbers >= 0 (dense, sparse, colbert), dense + sparse > 0; "
+                         f"got {list(weights)}")
+    dense = float(np.asarray(query[0], np.float64) @ np.asarray(document[0], np.float64))
+    sparse = lexical(query[1], document[1])
+    colbert = maxsim(query[2], document[2], "mean")
+    return {"dense": dense, "sparse": sparse, "colbert": colbert,
+            "sparse+dense": (w[1] * sparse + w[0] * dense) / (w[1] + w[0]),
+            "colbert+sparse+dense": (w[2] * colbert + w[1] * sparse + w[0] * dense) / sum(w)}
