@@ -2,7 +2,7 @@
 drift (+-30% between minutes) falls on both alike; the per-round ratio B/A and its median count.
 
     python -m bench.ab [--lengths 128 128 | --text short|passages] [--concurrency 64 ...] [--rounds 8]
-                       [--seconds 4] [--model BUNDLE] [--a-flag F ...] [--b-flag F ...]
+                       [--seconds 4] [--door grpc|http] [--model BUNDLE] [--a-flag F ...] [--b-flag F ...]
                        [--a-source DIR] [--b-source DIR] [--a-prelude CODE] [--b-prelude CODE] [--keep-servers]
 
 A variant is server flags (`--a-flag=--max-batch-tokens=4096`), a source tree (`--a-source`: another
@@ -16,6 +16,16 @@ Even with fresh servers an 8-round median is good to about +-7% on this machine.
 reports the server's CPU per call (warm-up included), all threads and the event loop's alone, from
 /proc: a per-call cost moves those where it drowns in the throughput's noise.
 `--keep-servers` keeps one pair (faster; for effects well above that). The idle server costs nothing.
+
+`--door` picks the door the load goes through (both are on every server: `--http-port 0`, the port read
+back from the ready file). `grpc` (the default): attention.v1 Encode from client/load.py's `run_load`,
+ids with hidden states back, texts with their pooled vector. `http`: the same draws (same seeds, same
+ids or texts in the same order) as JSON from bench/http_load.py's closed loop of aiohttp callers, ids
+through TEI's POST /embed (`{"inputs": [[ids]]}`, the pooled vector back, so less output than gRPC's
+hidden states) and texts through OpenAI's POST /v1/embeddings (`{"model": name, "input": [text]}`).
+Same columns either way; an HTTP error counts under its status. OpenAI's API has no truncation, so a
+text over the model's token limit is refused there (400) where gRPC truncates it: `short` and
+`passages` fit all-MiniLM-L6-v2's 256 tokens (at most 27 and 221 of its tokens, specials included).
 
 `--text short|passages` sends text instead of token ids, one text per call, sentence embeddings back
 (pooling "model", no hidden states, as bench/text_bench.py): `short` is a seeded draw of 3-15 words
@@ -39,21 +49,24 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from bench.http_load import EMBED, EMBEDDINGS, HttpReport, id_bodies, run_http_load, text_bodies
 from bench.service_bench import _choices as describe
 from bench.service_bench import served_choices, stat_cpu_s
 from bench.text_bench import WORDS
-from client import SyncEncoderClient
-from client.load import run_load
+from client import ModelInfo, SyncEncoderClient
+from client.load import BenchReport, run_load
 from model.default import ensure_default_bundle
 from tests.support.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_WORDS = {"short": (3, 15), "passages": (165, 185)}  # words per text, both included (~1.13 MiniLM tokens each)
 TEXTS = 512  # distinct texts per load
+POOL = 512  # requests drawn per load (run_load's pool_size; the HTTP door's bodies likewise)
 SAMPLE = 64  # texts encoded through both sides for the cosine
 
 
@@ -124,6 +137,25 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.asarray((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1))
 
 
+def model_info(target: str) -> ModelInfo:
+    with SyncEncoderClient(target, timeout=60) as client:
+        return client.model_info()
+
+
+def http_load(server: ServerProcess, info: ModelInfo, *, concurrency: int, seconds: float, seed: int,
+              lengths: tuple[int, int], texts: list[str] | None) -> HttpReport:
+    """One slice through the HTTP door: the draws `run_load` would make with this seed and pool, as JSON."""
+    port = server.ports.get("http_port", 0)
+    if not port:
+        raise RuntimeError(f"the server at {server.target} has no HTTP port (ready file: {server.ports})")
+    if texts is not None:
+        path, bodies = EMBEDDINGS, text_bodies(info.name, texts, POOL, seed)
+    else:
+        path, bodies = EMBED, id_bodies(info.vocab_size, info.max_length, lengths, POOL, seed)
+    return asyncio.run(run_http_load(f"http://127.0.0.1:{port}", path, bodies, concurrency=concurrency,
+                                     duration_s=seconds, warmup_s=1.0))
+
+
 def stop(sides: dict[str, ServerProcess]) -> None:
     for server in sides.values():
         server.stop()
@@ -138,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per slice (1 s warm-up)")
     parser.add_argument("--text", choices=sorted(TEXT_WORDS), default=None,
                         help="send text of this kind instead of token ids (--lengths is then unused)")
+    parser.add_argument("--door", choices=("grpc", "http"), default="grpc",
+                        help="the door the load goes through: attention.v1 gRPC, or HTTP (TEI /embed for ids, "
+                             "OpenAI /v1/embeddings for text)")
     parser.add_argument("--model", type=Path, default=None,
                         help="bundle (default: the built-in reference; with --text, all-MiniLM-L6-v2)")
     for side in ("a", "b"):
@@ -161,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: dict[tuple[str, int], list[tuple[float, float, float, float, float]]] = {
         (side, c): [] for side in ("a", "b") for c in args.concurrency}
+    infos: dict[str, ModelInfo] = {}
     precisions: dict[str, list[tuple[str, str]]] = {"a": [], "b": []}
     cos: list[np.ndarray] = []
     sides: dict[str, ServerProcess] = {}
@@ -170,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             for side in order:
                 if side not in sides:
                     sides[side] = start_side(side)
+                    infos[side] = model_info(sides[side].target)
                     served = served_choices(sides[side].target)
                     precisions[side].append((served["precision"], served["precision_reason"]))
                     print(f"round {round_} {side.upper()} started: precision {precisions[side][-1][0]}, "
@@ -184,20 +221,24 @@ def main(argv: list[str] | None = None) -> int:
             for c, side in ((c, side) for c in args.concurrency for side in order):
                 server = sides[side]
                 cpu_before = cpu_s(server.pid)
-                if args.text:
-                    load = run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
-                                    seed=round_, pool_size=TEXTS, text_source=texts, pooling="model",
-                                    return_hidden=False)
+                r: BenchReport | HttpReport
+                if args.door == "http":
+                    r = http_load(server, infos[side], concurrency=c, seconds=args.seconds, seed=round_,
+                                  lengths=tuple(args.lengths), texts=texts)
+                elif args.text:
+                    r = asyncio.run(run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
+                                             seed=round_, pool_size=POOL, text_source=texts, pooling="model",
+                                             return_hidden=False))
                 else:
-                    load = run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
-                                    lengths=tuple(args.lengths), seed=round_, pool_size=512)
-                r = asyncio.run(load)
+                    r = asyncio.run(run_load(server.target, concurrency=c, duration_s=args.seconds, warmup_s=1.0,
+                                             lengths=tuple(args.lengths), seed=round_, pool_size=POOL))
                 calls = r.requests + r.warmup_requests
                 cpu_after = cpu_s(server.pid)
                 cpu, loop = (1e3 * (cpu_after[i] - cpu_before[i]) / calls for i in (0, 1))
                 rows[side, c].append((r.sequences_per_s, r.latency_ms["p50"], r.latency_ms["p99"], cpu, loop))
-                print(f"round {round_} c{c} {side.upper()}: {r.sequences_per_s:.1f} {unit}, p50 "
-                      f"{r.latency_ms['p50']:.1f} ms, errors {sum(r.errors.values())}, load average "
+                codes = f" ({', '.join(f'{k} {n}' for k, n in sorted(r.errors.items()))})" if r.errors else ""
+                print(f"round {round_} c{c} {side.upper()} ({args.door}): {r.sequences_per_s:.1f} {unit}, p50 "
+                      f"{r.latency_ms['p50']:.1f} ms, errors {sum(r.errors.values())}{codes}, load average "
                       f"{os.getloadavg()[0]:.2f}", flush=True)
             if not args.keep_servers:
                 stop(sides)
@@ -219,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(a_rows: list[tuple[float, ...]], b_rows: list[tuple[float, ...]], unit: str) -> None:
+def report(a_rows: Sequence[tuple[float, ...]], b_rows: Sequence[tuple[float, ...]], unit: str) -> None:
     for side, side_rows in (("a", a_rows), ("b", b_rows)):
         a = np.asarray(side_rows)
         print(f"{side.upper()}: {unit} {' '.join(f'{x:.1f}' for x in a[:, 0])}; median {np.median(a[:, 0]):.1f}, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.hf_helpers import write_tiny_bert
 from tests.support.server_process import PINNED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,3 +67,43 @@ def test_ab_text_mode_reports_texts_per_s_precisions_and_the_cosine_between_the_
     low, mid = (float(x) for x in cos.groups())
     # bf16 against fp32: close (the same model), not identical (a different precision really ran)
     assert 0.99 < low <= mid < 1.0, out
+
+
+@pytest.fixture(scope="module")
+def text_bundle_32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random BERT as a text bundle that takes 32 tokens: OpenAI's route refuses a text over the
+    model's limit (its API has no truncation), and bench.ab's short texts run to 15 words plus 2 specials."""
+    from model.__main__ import main
+
+    src = write_tiny_bert(tmp_path_factory.mktemp("hf") / "tiny-bert-32", config={"max_position_embeddings": 32})
+    settings = src / "sentence_bert_config.json"
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "max_seq_length": 32}))
+    out = tmp_path_factory.mktemp("bundles") / "tiny-text-32"
+    assert main(["convert-hf", "--model-dir", str(src), "--out", str(out), "--name", "tiny-bert-32"]) == 0
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ids", "text"])
+def test_ab_over_the_http_door_reports_the_same_columns(kind: str, tiny_bundle: Path, text_bundle_32: Path) -> None:
+    """`--door http`: ids through TEI's /embed, texts through OpenAI's /v1/embeddings, one round of short slices."""
+    load = ["--model", str(tiny_bundle), "--lengths", "8", "16"] if kind == "ids" else [
+        "--model", str(text_bundle_32), "--text", "short"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.ab", "--door", "http", *load, "--concurrency", "4", "--rounds", "1",
+         "--seconds", "0.5", *pinned()],
+        cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    unit = "seq/s" if kind == "ids" else "texts/s"
+    for side in ("A", "B"):
+        slice_ = re.search(rf"^round 0 c4 {side} \(http\): ([\d.]+) {re.escape(unit)}, p50 [\d.]+ ms, errors 0,", out,
+                           re.M)
+        assert slice_ is not None and float(slice_.group(1)) > 0, out
+        line = re.search(rf"^{side}: {re.escape(unit)} ([\d.]+); median ([\d.]+), p99/p50 ([\d.]+); "
+                         r"server CPU ms/call ([\d.]+), event loop ([\d.]+)$", out, re.M)
+        assert line is not None, out
+        rate, median, tail, cpu, loop = (float(x) for x in line.groups())
+        assert rate == median > 0 and tail >= 1
+        assert 0 < cpu < 1000 and 0 < loop <= cpu  # the HTTP door answers on the event loop: it costs CPU there
+    assert re.search(rf"^B/A {re.escape(unit)} per round: [\d.]+; median [\d.]+$", out, re.M), out
