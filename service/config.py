@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,9 @@ class ServiceConfig:
         1024, "calls one connection may have open at once (about 14 KB of server memory each while open); "
               "past it some calls fail UNAVAILABLE (REFUSED_STREAM, never seen by a handler: safe to retry), "
               "without touching other connections (docs/limits.md)")
+    max_connections: int = _opt(
+        0, "connections the gRPC port, and the HTTP port, each keep open at once; one more is closed as it is "
+           "accepted (0 = a quarter of the process's file-descriptor limit, at most 8192; docs/limits.md)")
     max_connection_idle_s: float = _opt(600.0, "a connection with no call for this long is closed with GOAWAY; "
                                                "clients reconnect on their next call (0 = never)")
     max_connection_age_s: float = _opt(
@@ -140,6 +144,15 @@ class ServiceConfig:
     fault_delay_in_shutdown_ms: float = _opt(0.0, "test hook: shutdown waits this long after refusing new calls")
     fault_delay_before_ready_ms: float = _opt(0.0, "test hook: start-up waits this long before loading the model")
 
+    @property
+    def connection_limit(self) -> int:
+        """Connections each port keeps open at once: `max_connections`, else a quarter of the descriptor limit
+        (the two ports, the model's files and the process's own sockets share the rest), at most 8192."""
+        if self.max_connections:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(64, min(8192, soft // 4)) if soft != resource.RLIM_INFINITY else 8192
+
     def __post_init__(self) -> None:
         for name, choices in CHOICES.items():
             value = getattr(self, name)
@@ -157,6 +170,7 @@ class ServiceConfig:
         _check("torch_threads", self.torch_threads, 0, None)
         _check("edge_processes", self.edge_processes, 0, 64)
         _check("model_workers", self.model_workers, 0, None)
+        _check("max_connections", self.max_connections, 0, None)
         _check("small_batch_work", self.small_batch_work, 0, None)
         for name in ("max_wait_ms", "max_age_ms", "drain_delay_s", "drain_grace_s"):
             _check(name, getattr(self, name), 0, None)

@@ -521,8 +521,9 @@ def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: Se
     try:
         prompt = tokenizer.prompt(prompt_name)
     except KeyError:
-        raise InvalidInput(prompt_field, f"unknown prompt {shown(prompt_name)}; the model has "
-                           f"{sorted(tokenizer.settings.prompts)}") from None
+        # The name is not echoed: a caller's text never is (shown() would print a plain one).
+        known = sorted(tokenizer.settings.prompts)
+        raise InvalidInput(prompt_field, f"unknown prompt; the model has {known}") from None
     singles = [i for i, t in enumerate(texts) if isinstance(t, str)]
     if len(singles) == len(texts):  # the common call
         encoded = tokenizer.encode([str(t) for t in texts], truncate=truncate, prompt=prompt)

@@ -19,7 +19,7 @@ from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import SERVICE_NAME
 from service.doors import attention_wire as wire
 from service.doors.calls import Calls
-from service.doors.rpc import Rpc, parse, public, remaining
+from service.doors.rpc import Rpc, parse, public, remaining, serialize
 from service.errors import ServiceError, status_of
 from service.plan import MAX_REQUEST_ID, head_response_bytes
 
@@ -69,9 +69,8 @@ class AttentionServicer:
     def _unary(self, method: str, request_type: Any, work: Work) -> Any:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             async def answer() -> bytes:
-                response = await work(parse(request_type, raw), remaining(context, self._config))
-                data: bytes = response.SerializeToString()
-                return data
+                request = await parse(request_type, raw, self._config)
+                return await serialize(await work(request, remaining(context, self._config)))
 
             return await self._rpc.answer(method, context, answer)
 
@@ -87,11 +86,10 @@ class AttentionServicer:
 
             async def work() -> bytes:
                 nonlocal request_id
-                request = parse(pb.EncodeRequest, raw)
+                request = await parse(pb.EncodeRequest, raw, self._config)
                 if len(request.request_id) <= MAX_REQUEST_ID:  # echoed in a refusal too: never a long one
                     request_id = request.request_id
-                data: bytes = (await self._encode(request, remaining(context, self._config))).SerializeToString()
-                return data
+                return await serialize(await self._encode(request, remaining(context, self._config)))
 
             return await self._rpc.answer_in_stream(
                 "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())

@@ -62,43 +62,72 @@ class Admission(Protocol):
 
 @dataclass(frozen=True)
 class Model:
-    """One served model as the doors reach it: what it is, and where its calls are admitted."""
+    """One served model as the doors reach it: what it is (its `spec.name` the name it is served as), the
+    other names it answers to, and where its calls are admitted."""
 
     spec: ModelSpec
     admission: Admission = field(repr=False)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.spec.name, *self.aliases)
 
 
 @dataclass
 class Serving:
-    """Readiness and the served model, shared by the server (which sets them) and the doors (which
-    admit by them)."""
+    """Readiness and the served models, by name: shared by the server (which sets them) and the doors (which
+    admit by them). A call that names no model runs on the default one (the first added, or the one added
+    with `default=True`)."""
 
-    served: Model | None = None  # set once the model is warm, with the admission that runs it
+    models: dict[str, Model] = field(default_factory=dict)  # by served name
+    default: str = ""
     stopping: bool = False  # a shutdown has begun: not ready, though calls are served until `draining`
     draining: bool = False  # from the end of the drain delay: new calls are refused
+    _names: dict[str, str] = field(default_factory=dict, repr=False)  # every name and alias -> served name
+
+    def add(self, model: Model, default: bool = False) -> None:
+        """Serve `model` under its names; a name another model holds is refused (ValueError, at start-up)."""
+        for name in model.names:
+            if self._names.get(name, model.spec.name) != model.spec.name:
+                raise ValueError(f"model name {name!r} is already served by {self._names[name]!r}")
+        self.models[model.spec.name] = model
+        self._names.update(dict.fromkeys(model.names, model.spec.name))
+        if default or not self.default:
+            self.default = model.spec.name
 
     @property
     def ready(self) -> bool:
         """Readiness, as grpc.health.v1 reports it (and KServe's ServerReady/ModelReady, the HTTP health
-        routes and the attention_ready gauge): the model is warm and no shutdown has begun."""
-        return self.served is not None and not (self.stopping or self.draining)
+        routes and the attention_ready gauge): the models are warm and no shutdown has begun."""
+        return bool(self.models) and not (self.stopping or self.draining)
 
     @property
     def spec(self) -> ModelSpec | None:
-        """The served model's spec, ready or not (None while loading)."""
-        return self.served.spec if self.served is not None else None
+        """The default model's spec, ready or not (None while loading)."""
+        model = self.models.get(self.default)
+        return model.spec if model is not None else None
+
+    def names(self) -> list[str]:
+        """Every name a call may give, served names first."""
+        return [*self.models, *(n for n in self._names if n not in self.models)]
+
+    def find(self, name: str = "") -> Model | None:
+        """The model `name` (or an alias, "" the default) names, ready or not; None when none does."""
+        served = self._names.get(name) if name else self.default
+        return self.models.get(served) if served else None
 
     def model(self, name: str = "") -> Model:
         """The model a call names ("": the default), or the error its caller gets: UNAVAILABLE while
-        loading or draining, NOT_FOUND for a name this service does not serve."""
+        loading or draining, NOT_FOUND for a name this service does not serve (the names it does listed)."""
         if self.draining:
             raise ShuttingDown("server shutting down; retry on another replica")
-        served = self.served
-        if served is None:
+        if not self.models:
             raise NotReady("model loading or warming up; retry shortly")
-        if name and name != served.spec.name:
-            raise NotFound(f"model {shown(name)} is not served here; this service serves {served.spec.name!r}")
-        return served
+        model = self.find(name)
+        if model is None:
+            raise NotFound(f"model {shown(name)} is not served here; this service serves {self.names()}")
+        return model
 
     def require_serving(self) -> None:
         """Readiness as a health route reports it: UNAVAILABLE while loading, and from the drain's start."""

@@ -45,6 +45,10 @@ def grpc_options(config: ServiceConfig, *, reuse_port: bool = False) -> list[tup
         # call whose message never completes is bounded by message_wait.py; a stream that waits for
         # its next message is bounded by the connection's age.
         ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+        # The connections the port keeps at once (grpc core closes one more as it is accepted): a reconnect
+        # flood cannot take every descriptor of the process. Per peer there is no bound: behind a balancer
+        # every connection comes from its address (docs/limits.md).
+        ("grpc.max_allowed_incoming_connections", config.connection_limit),
         # grpc core's default, said out loud: a stream counts against the limit until the server has
         # released it, not only while it is open on the wire. That bounds what a peer that resets its
         # streams at once can pile up (HTTP/2 "rapid reset"), and it is also why a client that keeps

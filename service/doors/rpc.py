@@ -146,12 +146,69 @@ class Rpc:
         return response
 
 
-def parse(message_type: Any, raw: bytes) -> Any:
-    """A request message from its bytes; malformed bytes are INVALID_ARGUMENT (grpcio would say UNKNOWN)."""
+INLINE_BYTES = 64 << 10  # a bigger request message is parsed, and a bigger answer serialized, in a worker thread
+
+
+def _varint(raw: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while at < len(raw):
+        byte = raw[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    return value, at
+
+
+def top_level_fields(raw: bytes, stop: int) -> int:
+    """A protobuf message's top-level fields, counted from its wire format without parsing it (a repeated
+    field counts each entry); stops counting past `stop`. Validity is the parser's to judge."""
+    at = count = 0
+    while at < len(raw) and count <= stop:
+        tag, at = _varint(raw, at)
+        wire = tag & 7
+        if wire == 0:
+            _, at = _varint(raw, at)
+        elif wire == 2:
+            length, at = _varint(raw, at)
+            at += length
+        elif wire in (1, 5):
+            at += 8 if wire == 1 else 4
+        else:
+            break  # a group or no field at all: the parser refuses it
+        count += 1
+    return count
+
+
+def _parse(message_type: Any, raw: bytes) -> Any:
     try:
         return message_type.FromString(raw)
     except (DecodeError, RuntimeError, ValueError):
         raise InvalidInput("request", f"not a valid {message_type.DESCRIPTOR.full_name} message") from None
+
+
+async def parse(message_type: Any, raw: bytes, config: ServiceConfig) -> Any:
+    """A request message from its bytes; malformed bytes are INVALID_ARGUMENT (grpcio would say UNKNOWN). A
+    message over INLINE_BYTES has its top-level fields counted first (a request's repeated entries are its
+    sequences, inputs or parameters: a message of millions of them is refused before the parser builds
+    them) and is parsed in a worker thread."""
+    if len(raw) <= INLINE_BYTES:
+        return _parse(message_type, raw)
+    limit = config.max_sequences_per_call + 256
+    if top_level_fields(raw, limit) > limit:
+        raise InvalidInput("request", f"holds more than {limit} top-level fields; a call takes at most "
+                                      f"{config.max_sequences_per_call} sequences")
+    return await asyncio.to_thread(_parse, message_type, raw)
+
+
+async def serialize(message: Any) -> bytes:
+    """A response message's bytes, serialized in a worker thread when it is over INLINE_BYTES."""
+    if message.ByteSize() > INLINE_BYTES:
+        data: bytes = await asyncio.to_thread(message.SerializeToString)
+    else:
+        data = message.SerializeToString()
+    return data
 
 
 def public(message: str) -> str:

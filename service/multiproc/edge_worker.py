@@ -77,7 +77,7 @@ async def run(directory: Path) -> int:
     await grpc.server.start()
     if http is not None:
         await http.start()
-    serving.served = Model(spec, client)
+    serving.add(Model(spec, client))
     await lifecycle.serving({})
     client.start()
     client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": grpc.port}))

@@ -9,7 +9,8 @@ Nothing from the socket is unpickled.
     SUBMIT   edge -> model   <dH deadline (time.monotonic, system-wide on Linux), jobs; then each job
     CANCEL   edge -> model   the call's caller is gone: drop its queued jobs
     RESULT   model -> edge   one job's Done: <HddIIB index, queue_s, compute_s, batch size, padded length,
-                             fp32 re-run; then hidden, pooled, attention, head scores (arrays, each may be absent)
+                             fp32 re-run; then hidden, pooled, attention, head scores, token vectors (arrays, each
+                             may be absent)
     ERROR    model -> edge   <i index (-1: every job of the call), then the ServiceError as JSON
     DRAIN    model -> edge   <d grace: stop as the service does on SIGTERM
     BYE      edge -> model   JSON: the edge's own call ledger, as it exits
@@ -34,21 +35,21 @@ from service.jobs import Job, ModelSpec, Output
 HEADER = struct.Struct("<IBQ")
 HELLO, READY, SUBMIT, CANCEL, RESULT, ERROR, DRAIN, BYE = range(1, 9)
 _SUBMIT = struct.Struct("<dH")
-_JOB = struct.Struct("<BBHB")  # flags, pooling, attention layers, head (an index of _HEADS)
+_JOB = struct.Struct("<BBHBI")  # flags, pooling, attention layers, head (an index of _HEADS), attend
 _HEADS = ("", "classify", "rerank", "sparse")
 _RESULT = struct.Struct("<HddIIB")
 _ERROR = struct.Struct("<i")
 _DRAIN = struct.Struct("<d")
 _ARRAY = struct.Struct("<BB")  # dtype code (0: absent), dims
 _DTYPES = (np.dtype("<f4"), np.dtype("<i8"), np.dtype("<f2"), np.dtype("<i4"), np.dtype("<f8"))
-_IDS, _EMBEDDINGS, _CAUSAL, _HEADS_MEAN, _HIDDEN, _NORMALIZE = (1 << i for i in range(6))
+_IDS, _EMBEDDINGS, _CAUSAL, _HEADS_MEAN, _HIDDEN, _NORMALIZE, _VECTORS = (1 << i for i in range(7))
 
 
 # What SUBMIT and RESULT carry of a Job, an Output and a Done: a field added there must be added here
 # too (tests/service/test_multiproc.py holds these to the dataclasses, so none is dropped silently).
 JOB_FIELDS = frozenset({"token_ids", "embeddings", "causal", "attn_layers", "heads_mean", "pooling",
-                        "return_hidden", "normalize", "head", "token_types"})
-OUTPUT_FIELDS = frozenset({"hidden", "pooled", "attention", "fp32_rerun", "scores"})
+                        "return_hidden", "normalize", "head", "token_types", "vectors", "vector_rows", "attend"})
+OUTPUT_FIELDS = frozenset({"hidden", "pooled", "attention", "fp32_rerun", "scores", "vectors"})
 DONE_FIELDS = frozenset({"output", "queue_s", "compute_s", "batch_size", "padded_length"})
 
 
@@ -108,10 +109,11 @@ def submit(call: int, deadline: float, jobs: list[Job]) -> bytes:
     for job in jobs:
         flags = ((_IDS if job.token_ids is not None else 0) | (_EMBEDDINGS if job.embeddings is not None else 0)
                  | (_CAUSAL if job.causal else 0) | (_HEADS_MEAN if job.heads_mean else 0)
-                 | (_HIDDEN if job.return_hidden else 0) | (_NORMALIZE if job.normalize else 0))
-        parts += [_JOB.pack(flags, job.pooling, len(job.attn_layers), _HEADS.index(job.head)),
+                 | (_HIDDEN if job.return_hidden else 0) | (_NORMALIZE if job.normalize else 0)
+                 | (_VECTORS if job.vectors else 0))
+        parts += [_JOB.pack(flags, job.pooling, len(job.attn_layers), _HEADS.index(job.head), job.attend),
                   struct.pack(f"<{len(job.attn_layers)}H", *job.attn_layers)]
-        parts += _array(job.token_ids) + _array(job.embeddings) + _array(job.token_types)
+        parts += _array(job.token_ids) + _array(job.embeddings) + _array(job.token_types) + _array(job.vector_rows)
     return frame(SUBMIT, call, *parts)
 
 
@@ -120,7 +122,7 @@ def read_submit(body: memoryview) -> tuple[float, list[Job]]:
     at = _SUBMIT.size
     jobs = []
     for _ in range(count):
-        flags, pooling, layers, head = _JOB.unpack_from(body, at)
+        flags, pooling, layers, head, attend = _JOB.unpack_from(body, at)
         at += _JOB.size
         if head >= len(_HEADS):
             raise FrameError(f"head code {head}")
@@ -130,12 +132,14 @@ def read_submit(body: memoryview) -> tuple[float, list[Job]]:
         ids, at = _read_array(body, at, copy=True)
         embeddings, at = _read_array(body, at, copy=True)
         types, at = _read_array(body, at, copy=True)
+        rows, at = _read_array(body, at, copy=True)
         if (ids is None) == (embeddings is None):
             raise FrameError("a job needs token ids or embeddings")
         jobs.append(Job(ids, embeddings, causal=bool(flags & _CAUSAL), attn_layers=tuple(attn_layers),
                         heads_mean=bool(flags & _HEADS_MEAN), pooling=pooling,
                         return_hidden=bool(flags & _HIDDEN), normalize=bool(flags & _NORMALIZE),
-                        head=_HEADS[head], token_types=types))
+                        head=_HEADS[head], token_types=types, vectors=bool(flags & _VECTORS), vector_rows=rows,
+                        attend=attend))
     return deadline, jobs
 
 
@@ -145,7 +149,8 @@ def result(call: int, index: int, done: Done) -> bytes:
     out: Output = done.output
     return frame(RESULT, call, _RESULT.pack(index, done.queue_s, done.compute_s, done.batch_size,
                                             done.padded_length, out.fp32_rerun),
-                 *_array(out.hidden), *_array(out.pooled), *_array(out.attention), *_array(out.scores))
+                 *_array(out.hidden), *_array(out.pooled), *_array(out.attention), *_array(out.scores),
+                 *_array(out.vectors))
 
 
 def read_result(body: memoryview) -> tuple[int, Done]:
@@ -155,7 +160,9 @@ def read_result(body: memoryview) -> tuple[int, Done]:
     pooled, at = _read_array(body, at, copy=False)
     attention, at = _read_array(body, at, copy=False)
     scores, at = _read_array(body, at, copy=False)
-    return index, Done(Output(hidden, pooled, attention, bool(rerun), scores), queue_s, compute_s, size, padded)
+    vectors, at = _read_array(body, at, copy=False)
+    return index, Done(Output(hidden, pooled, attention, bool(rerun), scores, vectors), queue_s, compute_s, size,
+                       padded)
 
 
 _EXTRAS = ("field", "description", "retry_after_s", "ref")

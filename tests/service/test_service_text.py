@@ -116,7 +116,8 @@ async def test_prompts_truncation_and_empty_text(start_server: Any, tiny_text_bu
 
 @pytest.mark.parametrize(("request_", "field", "words"), [
     (_text_request("a", "a b c a b c a b c"), "sequences[1].text", ["11 tokens", "limit of 8", "truncate"]),
-    (_text_request("a", output=pb.OutputOptions(prompt_name="nope")), "output.prompt_name", ["'nope'", "query"]),
+    (_text_request("a", output=pb.OutputOptions(prompt_name="nope")), "output.prompt_name",
+     ["unknown prompt", "query"]),
     (pb.EncodeRequest(sequences=[pb.Sequence(text="a")], output=pb.OutputOptions(normalize=True)),
      "output.normalize", ["pooling"]),
     (_text_request("a" * 40, "b" * 30), "sequences", ["70 characters", "at most 64"]),

@@ -5,6 +5,7 @@ Errors: {"error": {"code", "message", "field"}}, the gRPC status's.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -14,8 +15,20 @@ from proto.attention.v1 import attention_pb2 as pb
 from service.doors import attention_wire as wire
 from service.doors.calls import Calls
 from service.doors.http import deadline
-from service.doors.http.wire import Dialect, Route, Routes, field_of, json_object, json_response, read_json
+from service.doors.http.wire import (
+    INLINE_BYTES,
+    Dialect,
+    Route,
+    Routes,
+    field_of,
+    json_object,
+    json_response,
+    read_json,
+)
 from service.errors import InvalidInput, ServiceError, status_of
+from service.plan import Ask
+
+MAX_VALUES = 1 << 16
 
 
 def error_body(error: ServiceError, status: int) -> dict[str, Any]:
@@ -34,12 +47,23 @@ class EncodeJson:
         return Routes(DIALECT, "/v1/encode", [Route("POST", "/v1/encode", self.encode)])
 
     async def encode(self, request: web.Request) -> web.StreamResponse:
-        body = json_object(await read_json(request, self._calls.config))
-        try:
-            message = json_format.ParseDict(body, pb.EncodeRequest(), ignore_unknown_fields=False)
-        except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
-            raise InvalidInput("body", f"not an attention.v1.EncodeRequest: {str(exc)[:160]}") from None
-        model = self._calls.model()
-        ask = wire.encode_ask(message, model.spec, self._calls.config)
+        model, config = self._calls.model(), self._calls.config
+
+        def decode(body: Any) -> Ask:
+            try:
+                message = json_format.ParseDict(json_object(body), pb.EncodeRequest(), ignore_unknown_fields=False)
+            except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+                raise InvalidInput("body", f"not an attention.v1.EncodeRequest: {str(exc)[:160]}") from None
+            return wire.encode_ask(message, model.spec, config)
+
+        # Tensors are base64 strings: a call's JSON values are its options, shapes and calibration ranges.
+        ask = await read_json(request, config, MAX_VALUES + 16 * config.max_sequences_per_call, decode)
         ran = await self._calls.run(model, ask, wire.NAMES, wire.response_bytes, deadline.remaining())
-        return json_response(json_format.MessageToDict(wire.encode_response(ran), preserving_proto_field_name=True))
+        response = wire.encode_response(ran)
+        if response.ByteSize() > INLINE_BYTES:
+            return await asyncio.to_thread(_json, response)
+        return _json(response)
+
+
+def _json(response: pb.EncodeResponse) -> web.Response:
+    return json_response(json_format.MessageToDict(response, preserving_proto_field_name=True))

@@ -17,20 +17,36 @@ Inputs = list[str] | list[np.ndarray]
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def decode_inputs(value: object, field: str) -> Inputs:
-    """A string, an array of strings, an array of token ids, or an array of arrays of token ids."""
+def decode_inputs(value: object, field: str, *, max_inputs: int, max_ids: int,
+                  too_many: type[InvalidInput] = InvalidInput) -> Inputs:
+    """A string, an array of strings, an array of token ids, or an array of arrays of token ids. The counts
+    are checked before anything is converted: at most `max_inputs` sequences (`too_many`, naming `field`,
+    else) and `max_ids` ids in all."""
     shape = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list) or not value:
         raise InvalidInput(field, f"must be {shape} (not empty)")
+    if len(value) > max(max_inputs, max_ids):  # too many for either form: nothing of it is looked at
+        raise too_many(field, f"batch size {len(value)} > maximum allowed batch size {max_inputs}")
     if all(isinstance(v, str) for v in value):
+        if len(value) > max_inputs:
+            raise too_many(field, f"batch size {len(value)} > maximum allowed batch size {max_inputs}")
         return list(value)
     if all(_is_int(v) for v in value):
+        _check_ids(len(value), max_ids, field)
         return [_ids(value, field)]
     if all(isinstance(v, list) for v in value):
+        if len(value) > max_inputs:
+            raise too_many(field, f"batch size {len(value)} > maximum allowed batch size {max_inputs}")
+        _check_ids(sum(len(v) for v in value), max_ids, field)
         return [_ids(v, f"{field}[{i}]") for i, v in enumerate(value)]
     raise InvalidInput(field, f"must be {shape}; got a mixed array")
+
+
+def _check_ids(count: int, max_ids: int, field: str) -> None:
+    if count > max_ids:
+        raise InvalidInput(field, f"{count} token ids in all; at most {max_ids} per call")
 
 
 def _is_int(value: object) -> bool:
@@ -88,4 +104,4 @@ def pooled(ran: Ran) -> list[np.ndarray]:
     hidden = ran.plan.jobs[0].return_hidden
     arrays = [out.hidden if hidden else out.pooled for out in ran.outputs]
     assert all(a is not None for a in arrays), "an output asked for is missing. This is a bug."
-    return [a for a in arrays if a is not None]
+    return [np.ascontiguousarray(a) for a in arrays if a is not None]  # orjson writes contiguous arrays only

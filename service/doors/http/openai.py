@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from service.doors.calls import Calls
+from service.config import ServiceConfig
+from service.doors.calls import Calls, Model, Serving
 from service.doors.http import deadline
 from service.doors.http.inputs import Inputs, decode_inputs, json_size, names, pooled, pooled_ask
 from service.doors.http.wire import (
@@ -29,11 +30,13 @@ from service.doors.http.wire import (
     Route,
     Routes,
     field_of,
+    json_answer,
     json_object,
     json_response,
     known_fields,
     optional,
     read_json,
+    text_values,
 )
 from service.errors import InvalidInput, NotFound, ServiceError, status_of
 from service.jobs import Job
@@ -58,22 +61,28 @@ DIALECT = Dialect("openai", error_body)
 @dataclass(frozen=True)
 class EmbeddingsCall:
     inputs: Inputs
-    model: str
+    model: Model
     base64: bool
     dimensions: int | None
 
 
-def decode(body: Any) -> EmbeddingsCall:
+def decode(body: Any, config: ServiceConfig, serving: Serving) -> EmbeddingsCall:
+    """The call, its model found (by name or alias) before its inputs are decoded (their counts checked
+    before anything of them is converted)."""
     body = json_object(body)
     known_fields(body, FIELDS)
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise InvalidInput("model", "required: the model's name (GET /v1/models)")
+    model = serving.find(name)
+    if model is None:
+        raise NotFound(f"The model {_shown(name)} does not exist; this service serves {serving.names()}")
     if "input" not in body:
         raise InvalidInput("input", "required")
-    inputs = decode_inputs(body["input"], "input")
+    inputs = decode_inputs(body["input"], "input", max_inputs=config.max_sequences_per_call,
+                           max_ids=config.max_tokens_per_call)
     if any(isinstance(x, str) and not x for x in inputs):
         raise InvalidInput("input", "a text must not be empty")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidInput("model", "required: the model's name (GET /v1/models)")
     fmt = optional(body, "encoding_format", str, "float", "\"float\" or \"base64\"")
     if fmt not in ("float", "base64"):
         raise InvalidInput("encoding_format", "must be \"float\" or \"base64\"")
@@ -82,30 +91,24 @@ def decode(body: Any) -> EmbeddingsCall:
     return EmbeddingsCall(inputs, model, fmt == "base64", dims)
 
 
-def check_model(call: EmbeddingsCall, name: str) -> None:
-    if call.model != name:
-        raise NotFound(f"The model {_shown(call.model)} does not exist; this service serves {name!r}")
-
-
 def _shown(name: str) -> str:
     return repr(name) if len(name) <= 64 and name.isprintable() else "(not shown)"
 
 
-def encode(call: EmbeddingsCall, sequences: Sequence[Job], vectors: Sequence[np.ndarray],
-           model: str) -> dict[str, Any]:
+def encode(call: EmbeddingsCall, sequences: Sequence[Job], vectors: Sequence[np.ndarray]) -> dict[str, Any]:
     data = []
     for i, v in enumerate(vectors):
-        v = np.asarray(v, "<f4")
-        embedding: Any = base64.b64encode(v.tobytes()).decode() if call.base64 else v.tolist()
+        v = np.ascontiguousarray(v, "<f4")
+        embedding: Any = base64.b64encode(v.data).decode() if call.base64 else v
         data.append({"object": "embedding", "embedding": embedding, "index": i})
     tokens = sum(job.length for job in sequences)  # as computed: specials in, a truncated text's cut
-    return {"object": "list", "data": data, "model": model,
+    return {"object": "list", "data": data, "model": call.model.spec.name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def models(name: str, created: int) -> dict[str, Any]:
+def models(names: Sequence[str], created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                         "owned_by": "attention-service"}]}
+                                         "owned_by": "attention-service"} for name in names]}
 
 
 class OpenAI:
@@ -113,6 +116,7 @@ class OpenAI:
 
     def __init__(self, calls: Calls) -> None:
         self._calls = calls
+        self._values = text_values(calls.config)
         self._created = int(time.time())
 
     def routes(self) -> Routes:
@@ -120,16 +124,17 @@ class OpenAI:
                                         Route("GET", "/v1/models", self.models)])
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._calls.config)
-        model = self._calls.model()
-        spec = model.spec
-        call = decode(body)
-        check_model(call, spec.name)
+        self._calls.model()  # UNAVAILABLE while loading or draining, before the body is read
+        serving, config = self._calls.serving, self._calls.config
+        call = await read_json(request, config, self._values, lambda body: decode(body, config, serving))
+        spec = call.model.spec
         # OpenAI's vectors are unit vectors: a model without a tokenizer's own defaults normalises them too.
         ask = pooled_ask(spec, call.inputs, normalize=None if spec.tokenizer is not None else True,
                          dimensions=call.dimensions)
-        ran = await self._calls.run(model, ask, names("input"), json_size, deadline.remaining())
-        return json_response(encode(call, ran.plan.sequences, pooled(ran), spec.name))
+        ran = await self._calls.run(call.model, ask, names("input"), json_size, deadline.remaining())
+        vectors = pooled(ran)
+        return await json_answer(encode(call, ran.plan.sequences, vectors), sum(v.size for v in vectors))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return json_response(models(self._calls.model().spec.name, self._created))
+        self._calls.model()
+        return json_response(models(self._calls.serving.names(), self._created))

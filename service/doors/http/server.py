@@ -107,7 +107,9 @@ class HttpDoor:
 
     async def start(self) -> None:
         await self._runner.setup()
-        site = web.SockSite(self._runner, self._socket, ssl_context=self._ssl)
+        server = self._runner.server
+        assert server is not None
+        site = _LimitedSite(self._runner, self._socket, server, self._config.connection_limit, ssl_context=self._ssl)
         await site.start()
         self._started = True
 
@@ -173,6 +175,38 @@ class HttpDoor:
                     metrics.observe_request(method, code, time.perf_counter() - started)
 
         self.app.router.add_route(route.verb, route.path, handle)
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the port's limit: closed as it is accepted."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _LimitedSite(web.SockSite):
+    """aiohttp's socket site, keeping at most `limit` connections open at once (`max_connections`): one more
+    is closed as it is accepted, so a reconnect flood cannot take every descriptor of the process (the gRPC
+    port's bound is grpc core's own, service/doors/grpc_server.py)."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, server: web.Server, limit: int, *,
+                 ssl_context: ssl.SSLContext | None) -> None:
+        super().__init__(runner, sock, ssl_context=ssl_context, backlog=1024)
+        self._web = server
+        self._limit = limit
+        self.refused = 0
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        if len(self._web.connections) >= self._limit:
+            self.refused += 1
+            return _Refused()
+        return self._web()
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registered with the runner, which stops it
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._protocol, sock=self._sock, ssl=self._ssl_context,
+                                                backlog=self._backlog)
 
 
 class HttpFront:

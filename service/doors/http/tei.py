@@ -22,7 +22,8 @@ ready or draining. `truncation_direction` other than the bundle's own side is re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 from aiohttp import web
 
 from model.text import special_ids
+from service.config import ServiceConfig
 from service.doors.calls import Calls
 from service.doors.http import deadline
 from service.doors.http.inputs import Inputs, decode_inputs, json_size, names, pooled, pooled_ask
@@ -37,11 +39,13 @@ from service.doors.http.wire import (
     Dialect,
     Route,
     Routes,
+    json_answer,
     json_object,
     json_response,
     known_fields,
     optional,
     read_json,
+    text_values,
 )
 from service.errors import InvalidInput, ServiceError, TooLarge, status_of
 from service.jobs import ModelSpec
@@ -49,6 +53,7 @@ from service.plan import Ask, head_response_bytes
 from service.tasks import sparse_entries
 
 SERVER_VERSION = "0.1.0"  # pyproject.toml's
+INLINE_IDS = 4096  # /decode of more ids runs in a worker thread
 
 EMBED = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"})
 EMBED_ALL = frozenset({"inputs", "truncate", "truncation_direction", "prompt_name"})
@@ -77,13 +82,11 @@ class EmbedCall:
     dimensions: int | None
 
 
-def _inputs(body: dict[str, Any], max_inputs: int) -> Inputs:
+def _inputs(body: dict[str, Any], config: ServiceConfig) -> Inputs:
     if "inputs" not in body:
         raise InvalidInput("inputs", "required")
-    inputs = decode_inputs(body["inputs"], "inputs")
-    if len(inputs) > max_inputs:
-        raise TooLarge("inputs", f"batch size {len(inputs)} > maximum allowed batch size {max_inputs}")
-    return inputs
+    return decode_inputs(body["inputs"], "inputs", max_inputs=config.max_sequences_per_call,
+                         max_ids=config.max_tokens_per_call, too_many=TooLarge)
 
 
 def _direction(body: dict[str, Any], side: str) -> None:
@@ -94,10 +97,10 @@ def _direction(body: dict[str, Any], side: str) -> None:
         raise InvalidInput("truncation_direction", f"this model truncates on the {side} only")
 
 
-def decode_embed(body: Any, *, max_inputs: int, side: str, all_tokens: bool = False) -> EmbedCall:
+def decode_embed(body: Any, config: ServiceConfig, *, side: str, all_tokens: bool = False) -> EmbedCall:
     body = json_object(body)
     known_fields(body, EMBED_ALL if all_tokens else EMBED)
-    inputs = _inputs(body, max_inputs)
+    inputs = _inputs(body, config)
     truncate = optional(body, "truncate", bool, False, "a boolean")
     _direction(body, side)
     prompt = optional(body, "prompt_name", str, "", "a string")
@@ -106,10 +109,10 @@ def decode_embed(body: Any, *, max_inputs: int, side: str, all_tokens: bool = Fa
     return EmbedCall(inputs, normalize, truncate, prompt, dims)
 
 
-def decode_tokenize(body: Any, max_inputs: int) -> tuple[list[str], str]:
+def decode_tokenize(body: Any, config: ServiceConfig) -> tuple[list[str], str]:
     body = json_object(body)
     known_fields(body, TOKENIZE)
-    inputs = _inputs(body, max_inputs)
+    inputs = _inputs(body, config)
     if not all(isinstance(x, str) for x in inputs):
         raise InvalidInput("inputs", "must be a string or an array of strings")
     if not optional(body, "add_special_tokens", bool, True, "a boolean"):
@@ -117,16 +120,16 @@ def decode_tokenize(body: Any, max_inputs: int) -> tuple[list[str], str]:
     return [str(x) for x in inputs], optional(body, "prompt_name", str, "", "a string")
 
 
-def decode_decode(body: Any, max_inputs: int, vocab_size: int) -> tuple[list[list[int]], bool]:
+def decode_decode(body: Any, config: ServiceConfig, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """The ids to decode: at most max_sequences_per_call rows and max_tokens_per_call ids, checked first."""
     body = json_object(body)
     known_fields(body, DECODE)
     if "ids" not in body:
         raise InvalidInput("ids", "required")
-    rows = decode_inputs(body["ids"], "ids")
+    rows = decode_inputs(body["ids"], "ids", max_inputs=config.max_sequences_per_call,
+                         max_ids=config.max_tokens_per_call, too_many=TooLarge)
     if any(isinstance(r, str) for r in rows):
         raise InvalidInput("ids", "must be an array of token ids, or an array of arrays of them")
-    if len(rows) > max_inputs:
-        raise TooLarge("ids", f"batch size {len(rows)} > maximum allowed batch size {max_inputs}")
     out = []
     for i, row in enumerate(rows):
         assert isinstance(row, np.ndarray)
@@ -152,7 +155,7 @@ class RerankCall:
     truncate: bool
 
 
-def decode_rerank(body: Any, *, max_inputs: int, side: str) -> RerankCall:
+def decode_rerank(body: Any, config: ServiceConfig, *, side: str) -> RerankCall:
     body = json_object(body)
     known_fields(body, RERANK)
     if "query" not in body:
@@ -161,11 +164,12 @@ def decode_rerank(body: Any, *, max_inputs: int, side: str) -> RerankCall:
     texts = body.get("texts")
     if not isinstance(texts, list):
         raise InvalidInput("texts", "required: an array of strings")
+    max_inputs = config.max_sequences_per_call
+    if len(texts) > max_inputs:
+        raise TooLarge("texts", f"batch size {len(texts)} > maximum allowed batch size {max_inputs}")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidInput(f"texts[{i}]", "must be a string")
-    if len(texts) > max_inputs:
-        raise TooLarge("texts", f"batch size {len(texts)} > maximum allowed batch size {max_inputs}")
     _direction(body, side)
     top_n = optional(body, "top_n", int, None, "an integer")
     return RerankCall(query, texts, top_n, optional(body, "return_text", bool, False, "a boolean"),
@@ -190,16 +194,19 @@ def _sequence(value: Any, field: str) -> str | tuple[str, str] | None:
     return None
 
 
-def decode_predict(body: Any, *, max_inputs: int, side: str) -> PredictCall:
+def decode_predict(body: Any, config: ServiceConfig, *, side: str) -> PredictCall:
     body = json_object(body)
     known_fields(body, PREDICT)
     if "inputs" not in body:
         raise InvalidInput("inputs", "required")
     value = body["inputs"]
+    max_inputs = config.max_sequences_per_call
     single = _sequence(value, "inputs")
     if single is not None and not (isinstance(value, list) and len(value) == 1):
         inputs, batch = [single], False  # "text", or ["first", "second"]: one pair, as TEI reads it
     elif isinstance(value, list):
+        if len(value) > max_inputs:
+            raise TooLarge("inputs", f"batch size {len(value)} > maximum allowed batch size {max_inputs}")
         inputs = []
         for i, item in enumerate(value):
             one = _sequence(item, f"inputs[{i}]")
@@ -209,8 +216,6 @@ def decode_predict(body: Any, *, max_inputs: int, side: str) -> PredictCall:
         batch = True
     else:
         raise InvalidInput("inputs", "must be a string, a pair of strings, or an array of them")
-    if len(inputs) > max_inputs:
-        raise TooLarge("inputs", f"batch size {len(inputs)} > maximum allowed batch size {max_inputs}")
     _direction(body, side)
     return PredictCall(inputs, batch, optional(body, "raw_scores", bool, False, "a boolean"),
                        optional(body, "truncate", bool, False, "a boolean"))
@@ -232,11 +237,13 @@ def _side(spec: ModelSpec) -> str:
 
 
 class TEI:
-    """The dialect's routes over the shared call layer: decode -> run -> encode."""
+    """The dialect's routes over the shared call layer: decode -> run -> encode. A body is read, parsed and
+    decoded (its counts checked first) in a worker thread when it is big (service/doors/http/wire.py)."""
 
     def __init__(self, calls: Calls) -> None:
         self._calls = calls
         self._config = calls.config
+        self._values = text_values(calls.config)
         self._special: dict[int, frozenset[int]] = {}
 
     def routes(self) -> Routes:
@@ -247,35 +254,38 @@ class TEI:
             Route("POST", "/predict", self.predict), Route("GET", "/info", self.info),
             Route("GET", "/health", self.health, health=True)])
 
+    async def _read(self, request: web.Request, decode: Callable[[Any], Any]) -> Any:
+        return await read_json(request, self._config, self._values, decode)
+
     async def embed(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
         model = self._calls.model()
-        call = decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec))
+        call = await self._read(request, lambda body: decode_embed(body, self._config, side=_side(model.spec)))
         ask = pooled_ask(model.spec, call.inputs, normalize=call.normalize, truncate=call.truncate,
                          prompt_name=call.prompt_name, dimensions=call.dimensions)
         ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
-        return json_response([np.asarray(v, np.float32).tolist() for v in pooled(ran)])
+        vectors = pooled(ran)
+        return await json_answer(vectors, sum(v.size for v in vectors))
 
     async def embed_all(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
         model = self._calls.model()
-        call = decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec),
-                            all_tokens=True)
+        call = await self._read(request, lambda body: decode_embed(body, self._config, side=_side(model.spec),
+                                                                   all_tokens=True))
         ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate,
                          prompt_name=call.prompt_name, hidden=True)
         ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
-        return json_response([np.asarray(h, np.float32).tolist() for h in pooled(ran)])
+        hidden = pooled(ran)
+        return await json_answer(hidden, sum(h.size for h in hidden))
 
     async def embed_sparse(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
         model = self._calls.model()
-        call = decode_embed(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec),
-                            all_tokens=True)
+        call = await self._read(request, lambda body: decode_embed(body, self._config, side=_side(model.spec),
+                                                                   all_tokens=True))
         ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate,
                          prompt_name=call.prompt_name, sparse=True)
         ran = await self._calls.run(model, ask, replace(names("inputs"), sparse="/embed_sparse"), json_size,
                                     deadline.remaining())
-        return json_response([sparse(*sparse_entries(x, 0, 0.0)) for x in ran.logits])
+        entries = [sparse_entries(x, 0, 0.0) for x in ran.logits]
+        return await json_answer([sparse(*e) for e in entries], sum(2 * len(e[0]) for e in entries))
 
     def _specials(self, spec: ModelSpec) -> frozenset[int]:
         if spec.tokenizer is None:
@@ -286,25 +296,29 @@ class TEI:
         return self._special[key]
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
-        texts, prompt = decode_tokenize(body, self._config.max_sequences_per_call)
+        texts, prompt = await self._read(request, lambda body: decode_tokenize(body, self._config))
         model = self._calls.model()
         encoded = await self._calls.tokenize(model, texts, field="inputs", truncate=False, prompt_name=prompt)
         special = self._specials(model.spec)
-        return json_response([tokens(enc.ids.tolist(), enc.tokens, special) for enc in encoded])
+        return await json_answer([tokens(enc.ids.tolist(), enc.tokens, special) for enc in encoded],
+                                 sum(4 * len(enc.ids) for enc in encoded))
 
     async def decode(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
         spec = self._calls.model().spec
-        rows, skip = decode_decode(body, self._config.max_sequences_per_call, spec.vocab_size)
-        if spec.tokenizer is None:
+        rows, skip = await self._read(request, lambda body: decode_decode(body, self._config, spec.vocab_size))
+        tokenizer = spec.tokenizer
+        if tokenizer is None:
             raise InvalidInput("ids", f"model {spec.name} has no tokenizer to decode with")
-        return json_response(spec.tokenizer.decode(rows, skip_special_tokens=skip))
+        ids = sum(len(row) for row in rows)
+        if ids > INLINE_IDS:  # the Rust tokenizer releases the GIL
+            texts = await asyncio.to_thread(tokenizer.decode, rows, skip_special_tokens=skip)
+        else:
+            texts = tokenizer.decode(rows, skip_special_tokens=skip)
+        return await json_answer(texts, ids)
 
     async def rerank(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
         model = self._calls.model()
-        call = decode_rerank(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec))
+        call = await self._read(request, lambda body: decode_rerank(body, self._config, side=_side(model.spec)))
         ask = Ask(inputs=call.texts, return_hidden=False, task="rerank", query=call.query, top_n=call.top_n,
                   truncate=call.truncate, raw_scores=call.raw_scores)
         ran = await self._calls.run(model, ask, replace(names("texts"), task="/rerank"), head_response_bytes,
@@ -315,9 +329,8 @@ class TEI:
                               for i in ran.ranking])
 
     async def predict(self, request: web.Request) -> web.StreamResponse:
-        body = await read_json(request, self._config)
         model = self._calls.model()
-        call = decode_predict(body, max_inputs=self._config.max_sequences_per_call, side=_side(model.spec))
+        call = await self._read(request, lambda body: decode_predict(body, self._config, side=_side(model.spec)))
         ask = Ask(inputs=call.inputs, return_hidden=False, task="classify", truncate=call.truncate,
                   raw_scores=call.raw_scores)
         ran = await self._calls.run(model, ask, replace(names("inputs"), task="/predict"), head_response_bytes,

@@ -31,6 +31,7 @@ Choices a Triton user would look for (docs/kserve.md has the tables):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tritonclient.grpc import model_config_pb2 as mc
@@ -50,7 +51,6 @@ from service.doors.kserve.wire import (
     infer_response,
     int_param,
     model_inputs,
-    names_model,
     parameters,
 )
 from service.errors import NotFound, NotReady, shown
@@ -75,15 +75,20 @@ class KServe:
         # (through the drain delay, while calls are still served). An edge process's own.
         return self.calls.serving.ready
 
+    def _find(self, name: str, version: str) -> Model | None:
+        model = self.calls.serving.find(name) if name else None
+        return model if model is not None and version in ("", model.spec.version) else None
+
     def model_ready(self, request: Any) -> Any:
-        spec = self.calls.serving.spec
-        known = spec is not None and names_model(spec, request.name, request.version)
+        known = self._find(request.name, request.version) is not None
         return v2.ModelReadyResponse(ready=known and self.ready())
 
     def served(self, name: str, version: str) -> Model:
-        """The model a request names, ready; NOT_FOUND in Triton's words for another name or version."""
-        model = self.calls.model()
-        if not names_model(model.spec, name, version):
+        """The model a request names (by its served name or an alias), ready; NOT_FOUND in Triton's words
+        for another name or version."""
+        self.calls.model()  # UNAVAILABLE while loading or draining
+        model = self._find(name, version)
+        if model is None:
             version_text = f" version {shown(version, quote=False)}" if version else ""
             raise NotFound(f"Request for unknown model: {shown(name)}{version_text} is not found")
         return model
@@ -92,8 +97,8 @@ class KServe:
         return self.served(name, version).spec
 
     def repository_index(self, request: Any) -> Any:
-        """The one served model, READY or UNAVAILABLE (a shutdown has begun); `ready` asks for ready ones
-        only. While loading there is no name to give yet: UNAVAILABLE, as for the other description calls."""
+        """Every served model, READY or UNAVAILABLE (a shutdown has begun); `ready` asks for ready ones only.
+        While loading there is no name to give yet: UNAVAILABLE, as for the other description calls."""
         if request.repository_name:
             raise NotFound(f"unknown repository {shown(request.repository_name)}; this server has one, "
                            "named \"\" (leave repository_name empty)")
@@ -101,13 +106,13 @@ class KServe:
         ready = self.ready()
         if request.ready and not ready:
             return v2.RepositoryIndexResponse()
-        spec = serving.spec
-        if spec is None:
+        if not serving.models:
             raise NotReady("model loading or warming up; retry shortly")
         index = v2.RepositoryIndexResponse.ModelIndex
         return v2.RepositoryIndexResponse(models=[
-            index(name=spec.name, version=spec.version, state="READY") if ready else
-            index(name=spec.name, version=spec.version, state="UNAVAILABLE", reason="server shutting down")])
+            index(name=m.spec.name, version=m.spec.version, state="READY") if ready else
+            index(name=m.spec.name, version=m.spec.version, state="UNAVAILABLE", reason="server shutting down")
+            for m in serving.models.values()])
 
     def model_metadata(self, request: Any) -> Any:
         spec = self._spec(request.name, request.version)
@@ -182,12 +187,13 @@ class KServe:
             into.count, into.ns = timing.count, int(timing.seconds * 1e9)
         return v2.ModelStatisticsResponse(model_stats=[stats])
 
-    async def infer(self, request: Any, seconds: float) -> Any:
-        """One ModelInferRequest: decode (service/doors/kserve/wire.py) -> run -> encode."""
+    async def infer(self, request: Any, seconds: float, text: Callable[[str], bool] = lambda name: False) -> Any:
+        """One ModelInferRequest: decode (service/doors/kserve/wire.py) -> run -> encode. `text(name)`: whether
+        the transport sends an output as JSON numbers (REST's `binary_data: false`), for its size."""
         params = parameters(request.parameters)
         if timeout_us := int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
             seconds = min(seconds, timeout_us / 1e6)
         model = self.served(request.model_name, request.model_version)
-        call = decode_infer(request, params, model.spec, self._config)
+        call = decode_infer(request, params, model.spec, self._config, text)
         ran = await self.calls.run(model, call.ask, call.names, call.size, seconds, check=call.check)
         return infer_response(call, ran)

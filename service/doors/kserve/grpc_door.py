@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2 as v2
 
 from service.doors.kserve.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, KServe
 from service.doors.kserve.wire import final_flag
-from service.doors.rpc import Rpc, parse, public, remaining
+from service.doors.rpc import Rpc, parse, public, remaining, serialize
 from service.errors import ServiceError, status_of
 from service.plan import MAX_REQUEST_ID
 
@@ -52,8 +52,7 @@ class KServeServicer:
     def _unary(self, method: str, request_type: Any, handle: Callable[[Any], Any]) -> Any:
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             async def work() -> bytes:
-                data: bytes = handle(parse(request_type, raw)).SerializeToString()
-                return data
+                return await serialize(handle(await parse(request_type, raw, self._config)))
 
             return await self._rpc.answer(method, context, work)
 
@@ -61,9 +60,8 @@ class KServeServicer:
 
     async def model_infer(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         async def work() -> bytes:
-            request = parse(v2.ModelInferRequest, raw)
-            data: bytes = (await self._core.infer(request, remaining(context, self._config))).SerializeToString()
-            return data
+            request = await parse(v2.ModelInferRequest, raw, self._config)
+            return await serialize(await self._core.infer(request, remaining(context, self._config)))
 
         return await self._rpc.answer("ModelInfer", context, work)
 
@@ -77,7 +75,7 @@ class KServeServicer:
 
             async def work() -> bytes:
                 nonlocal request_id, final
-                request = parse(v2.ModelInferRequest, raw)
+                request = await parse(v2.ModelInferRequest, raw, self._config)
                 if len(request.id) <= MAX_REQUEST_ID:  # echoed in a refusal too: never a long one
                     request_id = request.id
                 final = final_flag(request)
@@ -85,8 +83,7 @@ class KServeServicer:
                     infer_response=await self._core.infer(request, remaining(context, self._config)))
                 if final:
                     response.infer_response.parameters["triton_final_response"].bool_param = True
-                data: bytes = response.SerializeToString()
-                return data
+                return await serialize(response)
 
             def failed(error: ServiceError) -> bytes:
                 response = v2.ModelStreamInferResponse(

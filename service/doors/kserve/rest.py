@@ -9,11 +9,12 @@ request parameter `binary_data_output` sets the default for outputs not listed).
 
 from __future__ import annotations
 
-import json
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as v2
@@ -21,6 +22,7 @@ from tritonclient.grpc import service_pb2 as v2
 from proto.attention.v1.codec import bfloat16_bits_to_float32
 from service.doors.http import deadline
 from service.doors.http.wire import (
+    INLINE_BYTES,
     JSON,
     Dialect,
     Route,
@@ -70,17 +72,17 @@ def _parameters(value: Any, field: str) -> dict[str, Any]:
     return value
 
 
-def split(body: bytes, header_length: str | None) -> tuple[Any, bytes]:
-    """(the JSON header, the binary tail) of an infer body."""
+def split(body: bytes, header_length: str | None, max_values: int) -> tuple[Any, bytes]:
+    """(the JSON header, at most `max_values` values, the binary tail) of an infer body."""
     if header_length is None:
-        return parse_json(body), b""
+        return parse_json(body, max_values=max_values), b""
     try:
         n = int(header_length)
     except ValueError:
         raise InvalidInput(HEADER, "must be an integer") from None
     if not 0 < n <= len(body):
         raise InvalidInput(HEADER, f"must be in 1..{len(body)} (the body's length); got {n}")
-    return parse_json(body[:n]), body[n:]
+    return parse_json(body[:n], max_values=max_values), body[n:]
 
 
 def infer_request(header: Any, binary: bytes, model: str, version: str) -> tuple[Any, dict[str, bool]]:
@@ -200,7 +202,8 @@ def _flatten(data: Any, field: str, depth: int = 0) -> list[Any]:
 
 
 def infer_response(response: Any, binary_out: Mapping[str, bool]) -> tuple[bytes, int | None]:
-    """(body, JSON header length or None) of a ModelInferResponse."""
+    """(body, JSON header length or None) of a ModelInferResponse; outputs as JSON numbers written by orjson
+    from their arrays (float64: the decimal text of each value exactly, as before)."""
     outputs, tail = [], []
     for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
         shape = [int(d) for d in tensor.shape]
@@ -215,20 +218,18 @@ def infer_response(response: Any, binary_out: Mapping[str, bool]) -> tuple[bytes
     if response.id:
         header["id"] = response.id
     header["parameters"] = parameters(response.parameters)
-    body = json.dumps(header, separators=(",", ":")).encode()
+    body = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     if not tail:
         return body, None
     return body + b"".join(tail), len(body)
 
 
-def _values(raw: bytes, datatype: str) -> list[Any]:
+def _values(raw: bytes, datatype: str) -> np.ndarray:
+    """A raw output's values, flat, as JSON writes them."""
     if datatype == "BF16":
-        bits = np.frombuffer(raw, "<u2")
-        values: list[Any] = bfloat16_bits_to_float32(bits).tolist()
-        return values
+        return bfloat16_bits_to_float32(np.frombuffer(raw, "<u2")).astype(np.float64)
     array = np.frombuffer(raw, _DTYPES[datatype])
-    listed: list[Any] = (array if array.dtype.kind in "iu" else array.astype(np.float64)).tolist()
-    return listed
+    return np.ascontiguousarray(array if array.dtype.kind in "iu" else array.astype(np.float64))
 
 
 def parameters(params: Any) -> dict[str, Any]:
@@ -307,12 +308,23 @@ class KServeRest:
         return json_response(message(self._core.model_statistics(v2.ModelStatisticsRequest())))
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
-        raw = await read_body(request, self._config.max_message_bytes, self._config.http_read_timeout_s)
-        header, binary = split(raw, request.headers.get(HEADER))
-        name, version = self._names(request)
-        infer, binary_out = infer_request(header, binary, name, version)
-        response = await self._core.infer(infer, deadline.remaining())
-        body, header_length = infer_response(response, binary_out)
+        config = self._config
+        raw = await read_body(request, config.max_message_bytes, config.http_read_timeout_s)
+        sent_length, (name, version) = request.headers.get(HEADER), self._names(request)
+        # every id of every input (ids, mask, types), or a call's texts, and the options
+        values = 3 * config.max_tokens_per_call + 4 * config.max_sequences_per_call + 4096
+
+        def decode() -> tuple[Any, dict[str, bool]]:
+            header, binary = split(raw, sent_length, values)
+            return infer_request(header, binary, name, version)
+
+        infer, binary_out = await asyncio.to_thread(decode) if len(raw) > INLINE_BYTES else decode()
+        response = await self._core.infer(infer, deadline.remaining(),
+                                          text=lambda output: not binary_out.get(output, binary_out[""]))
+        if sum(len(raw) for raw in response.raw_output_contents) > INLINE_BYTES:
+            body, header_length = await asyncio.to_thread(infer_response, response, binary_out)
+        else:
+            body, header_length = infer_response(response, binary_out)
         if header_length is None:
             return web.Response(body=body, content_type=JSON)
         return web.Response(body=body, content_type="application/octet-stream", headers={HEADER: str(header_length)})

@@ -9,8 +9,7 @@ docs/kserve.md has the tables of inputs, outputs and parameters.
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from service.plan import (
 from service.vectors import QUANTIZATIONS
 
 PLATFORM = "pytorch_libtorch"  # Triton's name for a TorchScript model
+JSON_NUMBER = 26  # bytes of a value as REST JSON: the longest float64 repr, and a comma
 
 IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
 HIDDEN, POOLED, EMBEDDINGS, ATTENTION = "last_hidden_state", "pooled", "embeddings", "attention"
@@ -108,26 +108,29 @@ def _truncating(ask: Ask) -> bool:
     return ask.long_inputs == TRUNCATE or (ask.long_inputs is None and ask.truncate)
 
 
-def _sizes(plan: Plan, spec: ModelSpec, padded_to: int) -> Sizes:
-    """A KServe v2 response: every row padded to `padded_to`, raw tensor bytes in a small envelope."""
+def _sizes(plan: Plan, spec: ModelSpec, padded_to: int, text: Callable[[str], bool]) -> Sizes:
+    """A KServe v2 response: every row padded to `padded_to`, each output's values as raw tensor bytes, or as
+    JSON text (`text(name)`: KServe REST's `binary_data: false`, JSON_NUMBER bytes a value), in a small
+    envelope."""
     per_value = ITEMSIZE[plan.output_dtype]
-    hidden = sum(padded_to for job in plan.sequences if job.return_hidden) * spec.d_model * per_value
-    pooled = sum(1 for job in plan.sequences if job.pooling) * math.prod(plan.pooled_size(spec.d_model))
+    rows = plan.sequences
+    hidden = sum(padded_to for job in rows if job.return_hidden) * spec.d_model
+    pooled_values, pooled_size = plan.pooled_size(spec.d_model)
     attention = attention_bytes(plan, spec, padded_to)
     heads = sum(spec.vocab_size if job.head == "sparse" else len(spec.labels) + (job.head == "rerank")
-                for job in plan.sequences if job.head)  # a rerank row: its logits and its score
-    heads *= 4 if plan.task != "embed" else per_value
-    return Sizes(attention, hidden + pooled + heads + attention + 1024 + len(plan.request_id))  # + names, shapes
+                for job in rows if job.head)  # a rerank row: its logits and its score
+    head_size = 4 if plan.task != "embed" else per_value
+    parts = ((HIDDEN, hidden, per_value), (POOLED, sum(1 for job in rows if job.pooling) * pooled_values, pooled_size),
+             (LOGITS, heads, head_size), (ATTENTION, attention // ITEMSIZE[plan.attention_dtype],
+                                          ITEMSIZE[plan.attention_dtype]))
+    total = sum(values * (JSON_NUMBER if text(name) else size) for name, values, size in parts)
+    return Sizes(attention, total + 1024 + len(plan.request_id))  # + names, shapes
 
 
 def final_flag(request: Any) -> bool:
     """Triton's `triton_enable_empty_final_response`: mark each (single) response as the request's last."""
     flag = request.parameters.get("triton_enable_empty_final_response")
     return flag is not None and flag.bool_param
-
-
-def names_model(spec: ModelSpec, name: str, version: str) -> bool:
-    return name == spec.name and version in ("", spec.version)
 
 
 def parameters(parameters: Any) -> dict[str, Any]:
@@ -224,7 +227,7 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
         raise InvalidInput("parameters.normalize", f"must be a bool; got {shown(normalize)}")
     prompt = params.get("prompt_name", "")
     if not isinstance(prompt, str):
-        raise InvalidInput("parameters.prompt_name", f"must be a string; got {shown(prompt)}")
+        raise InvalidInput("parameters.prompt_name", f"must be a string; got a {type(prompt).__name__}")
     truncate = params.get("truncate", False)
     if not isinstance(truncate, bool):
         raise InvalidInput("parameters.truncate", f"must be a bool; got {shown(truncate)}")
@@ -463,10 +466,17 @@ class InferCall:
     names: Names
     outputs: dict[str, str]
     padded_to: int
+    text: Callable[[str], bool] = lambda name: False  # whether an output is sent as JSON numbers (REST)
 
     def size(self, plan: Plan, spec: ModelSpec) -> Sizes:
         """The response's size (the plan's response-size function)."""
-        return _sizes(plan, spec, self.padded_to or max(job.length for job in plan.sequences))
+        padded_to = self.padded_to or max(job.length for job in plan.sequences)
+
+        def text(name: str) -> bool:  # each part of the size by any output name that carries it
+            names = {POOLED: (POOLED, EMBEDDINGS), LOGITS: (LOGITS, SPARSE, SCORES)}.get(name, (name,))
+            return any(n in self.outputs and self.text(n) for n in names)
+
+        return _sizes(plan, spec, padded_to, text)
 
     def datatypes(self, plan: Plan) -> dict[str, str]:
         """Each output's datatype as sent: a quantized pooled vector is INT8 or UINT8, not a float."""
@@ -483,9 +493,11 @@ class InferCall:
             check_arrays(name, arrays, _FLOAT_TYPES.get(datatype, "float32"))
 
 
-def decode_infer(request: Any, params: dict[str, Any], spec: ModelSpec, config: ServiceConfig) -> InferCall:
+def decode_infer(request: Any, params: dict[str, Any], spec: ModelSpec, config: ServiceConfig,
+                 text: Callable[[str], bool]) -> InferCall:
     """A ModelInferRequest (its parameters already read, `parameters`) as the call the plan runs: outputs,
-    then inputs (counts and sizes checked before any tensor is decoded), then the options."""
+    then inputs (counts and sizes checked before any tensor is decoded), then the options. `text(name)`:
+    whether an output goes back as JSON numbers (its size is then the text's)."""
     outputs = _requested(request, config.allow_attention, spec)
     inputs, texts = _inputs(request, spec, config)
     ask = _ask(request, params, outputs, spec)
@@ -495,14 +507,14 @@ def decode_infer(request: Any, params: dict[str, Any], spec: ModelSpec, config: 
         raise InvalidInput(TEXT, "required with parameters.query: the texts to rerank, one a row (BYTES)")
     if texts is not None:
         ask = dataclasses.replace(ask, inputs=texts)
-        return InferCall(request, ask, RERANK_NAMES if ask.task == "rerank" else TEXT_NAMES, outputs, 0)
+        return InferCall(request, ask, RERANK_NAMES if ask.task == "rerank" else TEXT_NAMES, outputs, 0, text)
     ids = inputs.get(IDS)
     if ids is None:
         raise InvalidInput(IDS, f"required (INT32 or INT64, [batch, T]), or {TEXT} (BYTES, [batch])")
     batch, T = ids.shape
     lengths = _lengths(inputs, batch, T)
     ask = dataclasses.replace(ask, inputs=[ids[i, : lengths[i]] for i in range(batch)])
-    return InferCall(request, ask, IDS_NAMES, outputs, min(T, spec.max_length) if _truncating(ask) else T)
+    return InferCall(request, ask, IDS_NAMES, outputs, min(T, spec.max_length) if _truncating(ask) else T, text)
 
 
 def infer_response(call: InferCall, ran: Ran) -> Any:
