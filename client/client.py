@@ -19,6 +19,7 @@ import grpc
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.calls import unary
 from client.channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RETRY,
@@ -267,8 +268,8 @@ class EncoderClient(_Base):
     async def _encode(self, request: pb.EncodeRequest, timeout: float | None) -> pb.EncodeResponse:
         self._open()
         try:
-            response: pb.EncodeResponse = await self._stub.Encode(request, timeout=self._deadline(timeout),
-                                                                  metadata=self._metadata)
+            response: pb.EncodeResponse = await unary(self._stub.Encode(request, timeout=self._deadline(timeout),
+                                                                        metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return response
@@ -281,7 +282,8 @@ class EncoderClient(_Base):
         self._open()
         request = pb.TokenizeRequest(texts=list(texts), prompt_name=prompt_name, truncate=truncate)
         try:
-            response = await self._stub.Tokenize(request, timeout=self._deadline(timeout), metadata=self._metadata)
+            response = await unary(self._stub.Tokenize(request, timeout=self._deadline(timeout),
+                                                       metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return Tokenized.many_from_proto(response)
@@ -300,7 +302,7 @@ class EncoderClient(_Base):
         request = self._rerank_request(query, texts, top_n, raw_scores, return_text, truncate)
         self._open()
         try:
-            response = await self._stub.Rerank(request, timeout=self._deadline(timeout), metadata=self._metadata)
+            response = await unary(self._stub.Rerank(request, timeout=self._deadline(timeout), metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return RankedText.many_from_proto(response, return_text)
@@ -317,7 +319,8 @@ class EncoderClient(_Base):
         request = self._classify_request(inputs, raw_scores, truncate)
         self._open()
         try:
-            response = await self._stub.Classify(request, timeout=self._deadline(timeout), metadata=self._metadata)
+            response = await unary(self._stub.Classify(request, timeout=self._deadline(timeout),
+                                                       metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return Classification.many_from_proto(response)
@@ -326,8 +329,8 @@ class EncoderClient(_Base):
         """The served model, its precision and device, and the per-call limits."""
         self._open()
         try:
-            info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout),
-                                                 metadata=self._metadata)
+            info = await unary(self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._deadline(timeout),
+                                                       metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from exc
         return self._learned(ModelInfo.from_proto(info))
@@ -340,7 +343,8 @@ class EncoderClient(_Base):
         self._open_probe()
         request = health_pb2.HealthCheckRequest(service=service)
         try:
-            response = await self._health.Check(request, timeout=self._deadline(timeout), metadata=self._metadata)
+            response = await unary(self._health.Check(request, timeout=self._deadline(timeout),
+                                                      metadata=self._metadata))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return "SERVICE_UNKNOWN"

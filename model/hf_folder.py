@@ -7,7 +7,11 @@ converted into cache_dir/hf-{folder name}-{key}, where the key is a sha256 of th
 (config.json and the other JSON files, the weights file it picks) and of the converter's own code and the
 torch version, so a second start with the same folder reuses the bundle and a changed file or an upgrade
 converts again. Built in a temporary sibling and renamed into place (model/bundle.py build_atomically): a
-reader never sees half a bundle, and two processes racing end up with one. Nothing here logs: the result
+reader never sees half a bundle, and two processes racing end up with one. The key is taken again after
+the conversion: a folder that changed meanwhile (a copy still being written, a file replaced) would leave
+a bundle of some mix of old and new files under the old files' key, so that bundle is dropped and the
+folder converted again under its new key; a folder still changing after CONVERT_TRIES conversions is
+refused by name. Nothing here logs: the result
 says what was done (and, for a folder without tokenizer.json, that the bundle takes token ids only), and
 the service logs it.
 """
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,11 @@ from model.text import TextSettings
 CONFIG_FILE = "config.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin")  # the order model/hf.py load_hf_weights prefers
 _MODEL_CODE = Path(__file__).resolve().parent
+CONVERT_TRIES = 3  # conversions of a folder that changes under them before it is refused
+
+
+class _FolderChanged(Exception):
+    """The folder's key after a conversion is not the one before it (a file changed meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -128,18 +138,34 @@ def folder_key(model_dir: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def prepare_model(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str]) -> PreparedModel:
+def prepare_model(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str], *,
+                  convert: Callable[[Path, Path], object] = convert_hf_folder) -> PreparedModel:
     """The bundle directory to serve for `--model path` (see the module docstring); no path ("") is the
     seeded default bundle, built into cache_dir once (model/default.py). A folder that is neither a bundle
-    nor a Hugging Face folder is returned as given, for load_bundle to refuse by name."""
+    nor a Hugging Face folder is returned as given, for load_bundle to refuse by name. `convert(folder, out)`
+    is convert_hf_folder (a test wraps it to change the folder while it runs)."""
     if not path:
         return PreparedModel(ensure_default_bundle(cache_dir), Path(), "default")
     path = Path(path)
     if not is_hf_folder(path):
         return PreparedModel(path, path, "bundle")
     safe_name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.resolve().name)[:64] or "model"
-    final = Path(cache_dir) / f"hf-{safe_name}-{folder_key(path)[:16]}"
-    if (final / MANIFEST_FILE).is_file():
-        return PreparedModel(final, path, "reused", read_manifest(final).text is None)
-    built = build_atomically(final, lambda tmp: convert_hf_folder(path, tmp))
-    return PreparedModel(final, path, "converted" if built else "reused", read_manifest(final).text is None)
+    for _ in range(CONVERT_TRIES):
+        key = folder_key(path)
+        final = Path(cache_dir) / f"hf-{safe_name}-{key[:16]}"
+        if (final / MANIFEST_FILE).is_file():
+            return PreparedModel(final, path, "reused", read_manifest(final).text is None)
+
+        def build(tmp: Path, key: str = key) -> None:
+            convert(path, tmp)
+            if folder_key(path) != key:  # raised before the rename: the mixed bundle is removed with tmp
+                raise _FolderChanged
+
+        try:
+            built = build_atomically(final, build)
+        except _FolderChanged:
+            continue
+        return PreparedModel(final, path, "converted" if built else "reused", read_manifest(final).text is None)
+    raise HFConversionError(f"{path} changed while it was being converted, {CONVERT_TRIES} times in a row (its "
+                            f"files' sha256 differed before and after each conversion); serve it once it is "
+                            f"complete (copy it elsewhere, then move it into place)")

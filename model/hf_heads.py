@@ -4,7 +4,8 @@
   BertForSequenceClassification         bert.pooler.dense (+ tanh) -> classifier
   RobertaForSequenceClassification,     classifier.dense (+ tanh) -> classifier.out_proj, on <s>
   XLMRobertaForSequenceClassification
-Labels from config.json's `id2label` in id order, `problem_type` as Hugging Face reads it (unset: regression
+Labels from config.json's `id2label` in id order (a head whose outputs are not as many as the config's labels
+is refused, as transformers refuses to load it), `problem_type` as Hugging Face reads it (unset: regression
 for one label, else single-label classification). A head with one label also serves "rerank" (a
 cross-encoder). BERT's token type embeddings give the head its `type_delta` (type 1 minus type 0), so the
 second text of a pair is embedded as Hugging Face embeds it. Any other *For* architecture is served as its
@@ -66,6 +67,13 @@ def convert_heads(hf: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor],
 
     weight = tensor(out + "weight")
     n_labels = int(weight.shape[0])
+    declared, how = _declared_labels(hf, source)
+    if declared != n_labels:
+        # transformers builds the head from the config and then fails to load the weights ("size mismatch
+        # for classifier.weight ... ignore_mismatched_sizes"); serving it would cut or invent labels.
+        raise HeadConversionError(f"{source}: {out}weight has {n_labels} output(s), but config.json declares "
+                                  f"{declared} label(s) ({how}); transformers refuses this folder too (size "
+                                  f"mismatch); make id2label name one label per output")
     delta = None
     if types is not None and types in state_dict and state_dict[types].shape[0] > 1:
         table = tensor(types)
@@ -115,6 +123,22 @@ def _sparse(hf: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor], d_mod
                                           f"expected {list(target.shape)}")
             target.copy_(value)
     return {"embed": {}, "sparse": {"file": SPARSE_FILE}}, {SPARSE_FILE: head}
+
+
+def _declared_labels(hf: Mapping[str, Any], source: str) -> tuple[int, str]:
+    """How many labels transformers' config gives the head, and from what: `num_labels` when config.json
+    has it, else the size of `id2label`, else transformers' default of 2."""
+    num = hf.get("num_labels")
+    if num is not None:
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+            raise HeadConversionError(f"{source}: config.json num_labels must be an int >= 1, got {num!r}")
+        return num, f"num_labels={num}"
+    id2label = hf.get("id2label")
+    if id2label is None:
+        return 2, "no id2label: transformers' default of 2 labels"
+    if not isinstance(id2label, Mapping):
+        raise HeadConversionError(f"{source}: config.json id2label must be an object, got {id2label!r}")
+    return len(id2label), f"id2label has {len(id2label)} entries"
 
 
 def _labels(hf: Mapping[str, Any], n: int, source: str) -> list[str]:

@@ -201,9 +201,108 @@ def load_tokenizer_json(data: bytes, source: str) -> Any:
     return tokenizer
 
 
+@dataclass(frozen=True)
+class _Template:
+    """Where a tokenizer's post-processor puts its special tokens around one text ($A) or a pair ($A $B),
+    read once from a probe encoding: gaps[0] before the first text, gaps[i] after text i-1 (BERT's pair:
+    [CLS] | a | [SEP] | b | [SEP]; RoBERTa's: <s> | a | </s></s> | b | </s>). Each text's tokens carry one
+    token type (BERT: 0 then 1). Building from the texts' own tokens gives what the post-processor gives."""
+
+    gap_ids: tuple[tuple[int, ...], ...]
+    gap_tokens: tuple[tuple[str, ...], ...]
+    gap_types: tuple[tuple[int, ...], ...]
+    text_types: tuple[int, ...]
+
+    @property
+    def specials(self) -> int:
+        return sum(len(g) for g in self.gap_ids)
+
+    def build(self, ids: Sequence[list[int]], tokens: Sequence[list[str]], full_length: int) -> Encoded:
+        """The texts' tokens (specials excluded, already cut) with the specials around them; `full_length`
+        is the length before the cut."""
+        out_ids: list[int] = list(self.gap_ids[0])
+        out_tokens: list[str] = list(self.gap_tokens[0])
+        out_types: list[int] = list(self.gap_types[0])
+        for i, (text_ids, text_tokens) in enumerate(zip(ids, tokens, strict=True)):
+            out_ids += text_ids
+            out_ids += self.gap_ids[i + 1]
+            out_tokens += text_tokens
+            out_tokens += self.gap_tokens[i + 1]
+            out_types += [self.text_types[i]] * len(text_ids)
+            out_types += self.gap_types[i + 1]
+        return Encoded(np.asarray(out_ids, dtype=np.int64), full_length, out_tokens,
+                       np.asarray(out_types, dtype=np.int64) if len(ids) == 2 else None)
+
+
+# Texts that give at least one token in any vocabulary we meet (a probe of the post-processor's layout).
+_PROBES = ("a", "the", "x", "0", ".")
+
+
+def _read_template(tokenizer: Any, n_texts: int, source: str) -> _Template:
+    """The post-processor's layout for `n_texts` (1 or 2) texts, from encoding probe texts with and
+    without specials: `sequence_ids` marks each position as text 0, text 1 or special (None)."""
+    probe = next((p for p in _PROBES if tokenizer.encode(p, add_special_tokens=False).ids), None)
+    if probe is None:
+        raise TextError(f"{source}: none of the probe texts {_PROBES} gives a token; cannot read the "
+                        f"post-processor's layout")
+    alone = tokenizer.encode(probe, add_special_tokens=False).ids
+    enc = tokenizer.encode(*([probe] * n_texts))
+    gaps: list[list[int]] = [[] for _ in range(n_texts + 1)]
+    types: list[set[int]] = [set() for _ in range(n_texts)]
+    seen: list[list[int]] = [[] for _ in range(n_texts)]
+    last = -1
+    for i, seq in enumerate(enc.sequence_ids):
+        if seq is None:
+            gaps[last + 1].append(i)
+            continue
+        if seq == last + 1:
+            last = seq
+        elif seq != last or gaps[last + 1]:  # texts out of order, or a special inside a text
+            last = n_texts + 1
+            break
+        types[seq].add(enc.type_ids[i])
+        seen[seq].append(enc.ids[i])
+    if last != n_texts - 1 or any(len(t) != 1 for t in types) or any(s != alone for s in seen):
+        raise TextError(f"{source}: the post-processor does not lay out {n_texts} text(s) as specials around "
+                        f"each text (got sequence ids {enc.sequence_ids}); not supported")
+    return _Template(tuple(tuple(enc.ids[i] for i in g) for g in gaps),
+                     tuple(tuple(enc.tokens[i] for i in g) for g in gaps),
+                     tuple(tuple(enc.type_ids[i] for i in g) for g in gaps),
+                     tuple(t.pop() for t in types))
+
+
+def pair_lengths(first: int, second: int, room: int) -> tuple[int, int]:
+    """How many tokens of each text of a pair `longest_first` keeps in `room` tokens (the limit less the
+    pair's specials), as Hugging Face tokenizers' `truncate_encodings` decides it: when the shorter text
+    fits in half the room it is kept whole and the longer gets the rest; otherwise each gets half, the
+    odd token going to the longer text (to the second when both are as long)."""
+    if first + second <= room:
+        return first, second
+    if room <= 0:
+        return 0, 0
+    short, long_ = min(first, second), max(first, second)
+    if 2 * short <= room:
+        short, long_ = short, room - short
+    else:
+        short, long_ = room // 2, room // 2 + room % 2
+    return (long_, short) if first > second else (short, long_)
+
+
+def _cut(items: list[Any], keep: int, side: str) -> list[Any]:
+    if len(items) <= keep:
+        return items
+    return items[:keep] if side == "right" else items[len(items) - keep:]
+
+
 class TextTokenizer:
     """Strings -> token ids with a bundle's settings. Thread-safe (the Rust tokenizer holds no
-    per-call state) and free of the GIL while it encodes, so it may run in a worker thread."""
+    per-call state) and free of the GIL while it encodes, so it may run in a worker thread.
+
+    A text is tokenized once, without specials; a cut keeps `max_tokens` less the specials, from the
+    right or the left, and the specials are then put around it as the post-processor does (`_Template`).
+    The Rust tokenizer's own truncation is not used: it keeps every cut-off window (stride 0) and, for a
+    pair, every combination of both texts' windows, so a pair of 3,000 tokens a side cost hundreds of MB.
+    Here a pair costs what tokenizing its two texts costs, whatever their length."""
 
     def __init__(self, data: bytes, settings: TextSettings, source: str = TOKENIZER_FILE) -> None:
         actual = sha256_bytes(data)
@@ -213,46 +312,48 @@ class TextTokenizer:
         self.settings = settings
         self.data = data  # the tokenizer.json bytes: an edge process builds its own copy from them
         self._plain = load_tokenizer_json(data, source)
-        # A second instance that cuts, the way transformers configures the backend for
-        # tokenizer(..., truncation="longest_first", max_length=max_tokens): specials kept, content cut.
-        self._cutting = load_tokenizer_json(data, source)
-        self._cutting.enable_truncation(settings.max_tokens, strategy="longest_first",
-                                        direction=settings.truncation_side)
-        # A late-interaction model's query and document cutters: the mode's length less the marker inserted after.
-        self._mode_cutting: dict[str, Any] = {}
-        multi = settings.multi_vector
-        if multi is not None:
-            for mode in MODES:
-                cutter = load_tokenizer_json(data, source)
-                cut = multi.length(mode) - (multi.marker(mode) is not None)
-                cutter.enable_truncation(cut, strategy="longest_first", direction=settings.truncation_side)
-                self._mode_cutting[mode] = cutter
+        self._single = _read_template(self._plain, 1, source)
+        self._pair = _read_template(self._plain, 2, source)
 
     def prompt(self, name: str) -> str:
         """The prompt text for `name` ('' = the default prompt, if any); KeyError if unknown."""
         name = name or self.settings.default_prompt_name
         return self.settings.prompts[name] if name else ""
 
-    def encode(self, texts: Sequence[str], *, truncate: bool, prompt: str = "", mode: str = "") -> list[Encoded]:
-        """Tokenize `texts` (with `prompt` prepended). Texts over max_tokens are cut when `truncate`,
+    def _side(self, side: str | None) -> str:
+        if side is None:
+            return self.settings.truncation_side
+        if side not in TRUNCATION_SIDES:
+            raise TextError(f"truncation side must be one of {TRUNCATION_SIDES}, got {side!r}")
+        return side
+
+    def encode(self, texts: Sequence[str], *, truncate: bool, prompt: str = "", side: str | None = None,
+               mode: str = "") -> list[Encoded]:
+        """Tokenize `texts` (with `prompt` prepended). Texts over max_tokens are cut when `truncate`, on
+        `side` ("right" keeps the start, "left" the end; None: the bundle's truncation_side), as Hugging
+        Face's `tokenizer(text, truncation=True, max_length=max_tokens)` with that `truncation_side`;
         else returned whole (full_length > max_tokens) for the caller to refuse.
 
         mode "query" or "document" (a bundle with multi-vector settings; TextError otherwise): as its authors
         encode one (module docstring); the limit is then the mode's length, marker included, and each Encoded
         says which tokens are attended (`attend`) and which have a vector (`vector_rows`)."""
+        side = self._side(side)
         if mode:
-            return self._encode_mode(texts, truncate=truncate, prompt=prompt, mode=mode)
+            return self._encode_mode(texts, truncate=truncate, prompt=prompt, mode=mode, side=side)
         texts = [prompt + t for t in texts] if prompt else list(texts)
-        limit = self.settings.max_tokens
+        room = self.settings.max_tokens - self._single.specials
         out = []
-        for text, enc in zip(texts, self._plain.encode_batch(texts), strict=True):
-            full = len(enc.ids)
-            if full > limit and truncate:
-                enc = self._cutting.encode(text)
-            out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), full, list(enc.tokens)))
+        for enc in self._plain.encode_batch(texts, add_special_tokens=False):
+            ids, tokens = enc.ids, enc.tokens
+            full = len(ids) + self._single.specials
+            if truncate and len(ids) > room:
+                keep = max(room, 0)
+                ids, tokens = _cut(ids, keep, side), _cut(tokens, keep, side)
+            out.append(self._single.build([ids], [tokens], full))
         return out
 
-    def _encode_mode(self, texts: Sequence[str], *, truncate: bool, prompt: str, mode: str) -> list[Encoded]:
+    def _encode_mode(self, texts: Sequence[str], *, truncate: bool, prompt: str, mode: str,
+                     side: str) -> list[Encoded]:
         multi = self.settings.multi_vector
         if multi is None:
             raise TextError(f"mode {mode!r}: this tokenizer has no multi-vector (query/document) settings")
@@ -260,12 +361,16 @@ class TextTokenizer:
             raise TextError(f"mode must be one of {MODES}, got {mode!r}")
         texts = [prompt + t for t in texts] if prompt else list(texts)
         limit, marker = multi.length(mode), multi.marker(mode)
+        room = limit - (marker is not None) - self._single.specials  # the mode's length less the marker inserted
         out = []
-        for text, enc in zip(texts, self._plain.encode_batch(texts), strict=True):
-            full = len(enc.ids) + (marker is not None)
-            if full > limit and truncate:
-                enc = self._mode_cutting[mode].encode(text)
-            ids, tokens = list(enc.ids), list(enc.tokens)
+        for enc in self._plain.encode_batch(texts, add_special_tokens=False):
+            cut_ids, cut_tokens = enc.ids, enc.tokens
+            full = len(cut_ids) + self._single.specials + (marker is not None)
+            if truncate and len(cut_ids) > room:
+                keep = max(room, 0)
+                cut_ids, cut_tokens = _cut(cut_ids, keep, side), _cut(cut_tokens, keep, side)
+            built = self._single.build([cut_ids], [cut_tokens], full)
+            ids, tokens = built.ids.tolist(), list(built.tokens)
             if marker is not None:  # after the first token ([CLS]), as PyLate's and ColBERT's insert_prefix_token
                 ids.insert(1, marker)
                 tokens.insert(1, self._plain.id_to_token(marker) or "")
@@ -281,18 +386,26 @@ class TextTokenizer:
                                vector_rows=np.asarray(rows, dtype=np.int64)))
         return out
 
-    def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool) -> list[Encoded]:
+    def encode_pairs(self, pairs: Sequence[tuple[str, str]], *, truncate: bool,
+                     side: str | None = None) -> list[Encoded]:
         """Tokenize text pairs as Hugging Face's `tokenizer(a, b)` does (the post-processor's pair template:
         [CLS] a [SEP] b [SEP] with token types 0/1; RoBERTa's <s> a </s></s> b </s>). A pair over max_tokens is
-        cut when `truncate` (longest_first, HF's default: the longer text loses a token at a time)."""
-        limit = self.settings.max_tokens
+        cut when `truncate` as `tokenizer(a, b, truncation=True, max_length=max_tokens)` cuts it (longest_first,
+        `pair_lengths`), both texts on `side` (None: the bundle's truncation_side)."""
+        side = self._side(side)
+        room = self.settings.max_tokens - self._pair.specials
+        texts = [p[0] for p in pairs] + [p[1] for p in pairs]
+        encs = self._plain.encode_batch(texts, add_special_tokens=False)
         out = []
-        for pair, enc in zip(pairs, self._plain.encode_batch([tuple(p) for p in pairs]), strict=True):
-            full = len(enc.ids)
-            if full > limit and truncate:
-                enc = self._cutting.encode(pair[0], pair[1])
-            out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), full, list(enc.tokens),
-                               np.asarray(enc.type_ids, dtype=np.int64)))
+        for first, second in zip(encs[:len(pairs)], encs[len(pairs):], strict=True):
+            ids = [first.ids, second.ids]
+            tokens = [first.tokens, second.tokens]
+            full = len(ids[0]) + len(ids[1]) + self._pair.specials
+            if truncate and full > self.settings.max_tokens:
+                keep = pair_lengths(len(ids[0]), len(ids[1]), room)
+                ids = [_cut(x, k, side) for x, k in zip(ids, keep, strict=True)]
+                tokens = [_cut(x, k, side) for x, k in zip(tokens, keep, strict=True)]
+            out.append(self._pair.build(ids, tokens, full))
         return out
 
     def decode(self, rows: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:

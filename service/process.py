@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.doors.grpc_server import grpc_options, ledger
 from service.doors.ports import port_error
-from service.metrics import Metrics
+from service.metrics import Metrics, serve_metrics
 
 if TYPE_CHECKING:
     from service.engine import Engine
@@ -167,11 +167,12 @@ class Lifecycle:
 
 
 def start_metrics(config: ServiceConfig, registry: CollectorRegistry) -> Any:
-    """The /metrics HTTP server on `metrics_host` (or `host`):`metrics_port`; OSError that names the
-    setting when the port cannot be had."""
+    """The /metrics HTTP server on `metrics_host` (or `host`):`metrics_port` (service/metrics.py
+    `serve_metrics`: scrapes bounded in what they cost this process); OSError that names the setting
+    when the port cannot be had."""
     host = config.metrics_host or config.host
     try:
-        httpd, _ = start_http_server(config.metrics_port, host, registry=registry)
+        httpd = serve_metrics(host, config.metrics_port, registry)
     except OSError as exc:
         setting = "ATTN_METRICS_PORT / --metrics-port"
         raise OSError(port_error("metrics", host, config.metrics_port, exc, setting)) from None

@@ -148,3 +148,39 @@ def test_out_must_be_new_or_empty(tmp_path: Path) -> None:
     result = _cli("convert-hf", "--model-dir", str(folder), "--out", str(empty))
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in empty.iterdir()) == ["manifest.json", "model.pt", "tokenizer.json"]
+
+
+@pytest.mark.parametrize(("case", "outputs", "fragments"), [
+    ("id2label of 4, a head of 3", 3, ["classifier.weight has 3 output(s)", "(id2label has 4 entries)"]),
+    ("id2label of 2, a head of 3", 3, ["classifier.weight has 3 output(s)", "(id2label has 2 entries)"]),
+    ("no id2label, a head of 1", 1, ["classifier.weight has 1 output(s)", "transformers' default of 2 labels"]),
+    ("num_labels 5, a head of 3", 3, ["classifier.weight has 3 output(s)", "(num_labels=5)"]),
+    ("xlm-r: id2label of 2, a head of 1", 1, ["classifier.out_proj.weight has 1 output(s)",
+                                              "(id2label has 2 entries)"]),
+])
+def test_a_classifier_whose_labels_disagree_with_its_head_is_refused_as_transformers_refuses_it(
+        tmp_path: Path, case: str, outputs: int, fragments: list[str]) -> None:
+    import transformers
+
+    from tests.support.head_helpers import write_bert_classifier, write_xlmr_reranker
+
+    if case.startswith("xlm-r"):
+        folder, _ = write_xlmr_reranker(tmp_path / "hf")
+    else:
+        folder, _ = write_bert_classifier(tmp_path / "hf", num_labels=outputs)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder)  # as written: it loads
+    assert model.config.num_labels == outputs
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("label2id", None)
+    if case.startswith("no id2label"):
+        config.pop("id2label")
+    elif case.startswith("num_labels"):
+        config["num_labels"] = 5
+    else:
+        config["id2label"] = {str(i): f"L{i}" for i in range(4 if "of 4" in case else 2)}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # transformers refuses the folder
+        transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    _assert_refused(_cli("convert-hf", "--model-dir", str(folder), "--out", str(tmp_path / "out")),
+                    "config.json declares", "transformers refuses this folder too", *fragments)
+    assert not (tmp_path / "out").exists()
