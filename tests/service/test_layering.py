@@ -157,6 +157,7 @@ PRIVATE_ALLOWED = {
     ("service.doors.http.server", "_shutdown_timeout"),  # aiohttp's AppRunner: this drain's grace
     ("service.process", "_exit"),  # os._exit
     ("service.server", "_startup"),  # its own Server's
+    ("client.calls", "_cancel"), ("client.calls", "_LOCAL_CANCELLATION_DETAILS"),  # grpc.aio's: grpc/grpc#43360
 }
 
 
