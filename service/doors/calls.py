@@ -44,7 +44,7 @@ from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_representable
 from service.plan import INLINE_CHARS, Ask, Names, Plan, ResponseSize, check_count, plan_call, tokenize
-from service.tasks import label_scores, ranked, rerank_scores
+from service.tasks import label_scores, late_scores, ranked, rerank_scores
 
 if TYPE_CHECKING:
     from model.text import Encoded
@@ -215,6 +215,9 @@ class Calls:
             labels = [label_scores(x, spec.problem_type, plan.raw_scores) for x in ran.logits]
             return Ran(plan, spec, done, outputs, labels=labels)
         if plan.task == "rerank":
+            if plan.late is not None:  # a late-interaction model: token vectors, scored as its authors score them
+                scores = late_scores(outputs, *plan.late, spec.colbert_reduce)
+                return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
             scores = rerank_scores(ran.logits, plan.raw_scores)
             return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
         return ran

@@ -46,6 +46,8 @@ from service.doors.kserve.wire import (
     POOLED,
     SCORES,
     SPARSE,
+    VECTOR_COUNTS,
+    VECTORS,
     config_output,
     decode_infer,
     infer_response,
@@ -121,7 +123,8 @@ class KServe:
         return v2.ModelMetadataResponse(
             name=spec.name, versions=[spec.version], platform=PLATFORM,
             inputs=[meta(name=i.name, datatype=i.datatype, shape=[-1, *i.dims]) for i in inputs],
-            outputs=[meta(name=name, datatype="FP32", shape=[-1, *dims]) for name, dims in self._outputs(spec)],
+            outputs=[meta(name=name, datatype="INT64" if name == VECTOR_COUNTS else "FP32", shape=[-1, *dims])
+                     for name, dims in self._outputs(spec)],
         )
 
     def _outputs(self, spec: ModelSpec) -> list[tuple[str, list[int]]]:
@@ -131,8 +134,10 @@ class KServe:
             outputs.append((SPARSE, [spec.vocab_size]))
         if "classify" in spec.tasks:
             outputs.append((LOGITS, [len(spec.labels)]))
-        if "rerank" in spec.tasks:
+        if "rerank" in spec.tasks or spec.vector_dim:
             outputs.append((SCORES, []))  # [batch]: one score a row
+        if spec.vector_dim:
+            outputs += [(VECTORS, [-1, spec.vector_dim]), (VECTOR_COUNTS, [])]
         if self._config.allow_attention:
             outputs.append((ATTENTION, [-1, -1, -1, -1]))  # layers asked, heads (or 1), T, T
         return outputs
