@@ -9,7 +9,7 @@ BGE-M3) answers each text's token vectors (after the projection, normalised: the
              "usage": {"prompt_tokens", "total_tokens"}}
 
 vLLM answers its token-embedding task with this shape; Infinity's ColBERT embeddings and Jina's multi-vector API
-are the same nested lists under other keys. Errors in OpenAI's body (vLLM's). Ids are not taken: token vectors
+are the same nested lists under other keys. Errors in vLLM's body (`error_body`). Ids are not taken: token vectors
 are defined by the texts' query or document encoding.
 """
 
@@ -25,11 +25,13 @@ import numpy as np
 from aiohttp import web
 
 from service.doors.calls import Calls, Model, Serving
-from service.doors.http import deadline, openai
+from service.doors.http import deadline
 from service.doors.http.inputs import json_size, names
 from service.doors.http.wire import (
+    Dialect,
     Route,
     Routes,
+    field_of,
     json_answer,
     json_object,
     kind,
@@ -37,9 +39,17 @@ from service.doors.http.wire import (
     read_json,
     text_values,
 )
-from service.errors import InvalidInput, NotFound, TooLarge
+from service.errors import InvalidInput, NotFound, ServiceError, TooLarge, status_of
 from service.plan import Ask
 
+
+def error_body(error: ServiceError, status: int) -> dict[str, Any]:
+    """vLLM's error answer: {"object": "error", "message", "type", "param", "code": the HTTP status}."""
+    return {"object": "error", "message": error.message, "type": status_of(error).lower(), "param": field_of(error),
+            "code": status}
+
+
+DIALECT = Dialect("vllm", error_body)
 FIELDS = frozenset({"model", "input", "input_type", "encoding_format", "user", "truncate"})
 
 
@@ -80,7 +90,7 @@ class Pooling:
         self._values = text_values(calls.config)
 
     def routes(self) -> Routes:
-        return Routes(openai.DIALECT, "/pooling", [Route("POST", "/pooling", self.pooling)])
+        return Routes(DIALECT, "/pooling", [Route("POST", "/pooling", self.pooling)])
 
     async def pooling(self, request: web.Request) -> web.StreamResponse:
         self._calls.model()  # UNAVAILABLE while loading or draining, before the body is read
