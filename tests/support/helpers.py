@@ -40,7 +40,11 @@ class Running:
         return f"127.0.0.1:{self.port}"
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
+        """Sum of the samples named `name` whose labels include `labels` (a family's other labels, `model`
+        among them, summed over)."""
+        want = (labels or {}).items()
+        return sum(s.value for family in self.registry.collect() for s in family.samples
+                   if s.name == name and want <= s.labels.items())
 
 
 def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
