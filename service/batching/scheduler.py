@@ -242,6 +242,8 @@ class Scheduler(Generic[P]):
             running = list(lane.running)
             self._lanes = [each for each in self._lanes if each is not lane]
             lane.attached = False
+            # Let go of the runner (and the model it holds) even while callers keep the lane: its memory returns.
+            lane.runner, lane.after_batch = _Detached(), None
         for item in running:  # counted in its batch already
             _settle(item.future, ShuttingDown("request aborted: model unloading; retry"))
 
@@ -509,6 +511,24 @@ class Scheduler(Generic[P]):
                 self.loop.call_soon_threadsafe(_settle_many, outcomes)
             except RuntimeError:  # the loop closed between the check and the call
                 pass
+
+
+class _Detached:
+    """The runner of a lane that has left its scheduler: nothing reaches it (the lane admits nothing)."""
+
+    pipelined = False
+
+    def set_wide(self, wide: bool) -> None:
+        pass
+
+    def execute(self, payloads: list[Any]) -> tuple[Sequence[Any], float]:
+        raise ShuttingDown(SHUTTING_DOWN)
+
+    def launch(self, payloads: list[Any]) -> InFlight:
+        raise ShuttingDown(SHUTTING_DOWN)
+
+    def finish(self, in_flight: Any) -> tuple[Sequence[Any], float]:
+        raise ShuttingDown(SHUTTING_DOWN)
 
 
 def _run_task(task: _Task) -> None:
