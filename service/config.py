@@ -440,7 +440,8 @@ def model_entry(key: str, table: Mapping[str, Any], base: Path | None = None, wh
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value, ok = float(value), True
             if not ok:
-                raise ValueError(f"{where}.{setting}: must be a {kind.__name__}; got {value!r}")
+                article = "an" if kind is int else "a"
+                raise ValueError(f"{where}.{setting}: must be {article} {kind.__name__}; got {value!r}")
             settings.append((setting, value))
     try:
         return ModelEntry(name, path, tuple(aliases), default, tuple(settings))

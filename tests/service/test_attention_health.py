@@ -165,7 +165,8 @@ async def test_a_bundle_without_the_entry_point_serves_without_diagnostics(start
     response = await s.stub.Encode(ids_request(SEQUENCES[1]), timeout=10)
     assert len(response.outputs) == 1
     assert s.sample("attention_diagnostics_enabled") == 0
-    assert s.registry.get_sample_value("attention_score_overflow_risk_total", {"layer": "0", "model": FAULT_MODEL_NAME}) == 0
+    labels = {"layer": "0", "model": FAULT_MODEL_NAME}
+    assert s.registry.get_sample_value("attention_score_overflow_risk_total", labels) == 0
 
 
 def test_entropy_baseline_is_validated():
