@@ -359,3 +359,57 @@ async def test_a_lane_idle_for_a_while_cannot_save_up_model_time(shared):
     await asyncio.gather(first, *(item.future for item in items))
     order = [what for what, _ in log.entries[11:]]
     assert order[:4] in (["b", "a", "b", "a"], ["a", "b", "a", "b"]), order  # not b's five first
+
+
+class PipelinedModel:
+    """A pipelined fake runner (launch, then finish): answers payload * 2 (+ `offset`); records launches
+    and finishes in the shared log, so how many batches were in flight at once is exact."""
+
+    def __init__(self, name: str, log: Log, offset: int = 0, pipelined: bool = True) -> None:
+        self.name, self.log, self.offset, self.pipelined = name, log, offset, pipelined
+
+    def set_wide(self, wide: bool) -> None:
+        pass
+
+    def execute(self, payloads: list[int]) -> tuple[list[object], float]:
+        self.log.add(self.name, list(payloads))
+        return [p * 2 + self.offset for p in payloads], 0.001
+
+    def launch(self, payloads: list[int]) -> Any:
+        self.log.add(self.name, list(payloads))
+        self.log.add("task", ("launch", self.name))
+        return _Launched(list(payloads))
+
+    def finish(self, launched: Any) -> tuple[list[object], float]:
+        self.log.add("task", ("finish", self.name))
+        return [p * 2 + self.offset for p in launched.payloads], 0.001
+
+
+class _Launched:
+    failed = False
+
+    def __init__(self, payloads: list[int]) -> None:
+        self.payloads = payloads
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["both-pipelined", "one-pipelined"])
+async def test_pipelined_lanes_overlap_across_models_and_answer_each_its_own(shared, mixed: bool):
+    scheduler, lane, log = shared()
+    gate_model, gate = lane("gate")  # holds the thread while the others queue
+    runners = {"a": PipelinedModel("a", log, 0), "b": PipelinedModel("b", log, 1000, pipelined=not mixed)}
+    lanes = {name: Batcher(r, BatchLimits(max_batch_size=2), scheduler.threads, scheduler=scheduler, name=name)
+             for name, r in runners.items()}
+    scheduler.start()
+    first = await hold(gate_model, gate)
+    items = [(name, i, lanes[name].submit([req(i)], far())[0]) for i in range(8) for name in ("a", "b")]
+    gate_model.gate.set()
+    await first
+    for name, i, item in items:
+        assert (await item.future).output == 2 * i + (1000 if name == "b" else 0)
+    launches = [detail for what, detail in log.entries if what == "task"]
+    in_flight = most = 0
+    for event, _ in launches:
+        in_flight += 1 if event == "launch" else -1
+        most = max(most, in_flight)
+    assert most == 2 if not mixed else most <= 2  # the next model's batch launched before the last finished
+    assert {name for _, name in launches if name == "b"} == (set() if mixed else {"b"})
