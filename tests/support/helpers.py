@@ -40,11 +40,11 @@ class Running:
         return f"127.0.0.1:{self.port}"
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """Sum of the samples named `name` whose labels include `labels` (a family's other labels, `model`
-        among them, summed over)."""
-        want = (labels or {}).items()
+        """The sample named `name` with exactly `labels`, summed over the `model` label (one per model served)
+        unless `labels` gives it."""
+        want = labels or {}
         return sum(s.value for family in self.registry.collect() for s in family.samples
-                   if s.name == name and want <= s.labels.items())
+                   if s.name == name and {k: v for k, v in s.labels.items() if k != "model" or "model" in want} == want)
 
 
 def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
