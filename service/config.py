@@ -289,9 +289,9 @@ class ServiceConfig:
         defaults = [entry.name or entry.path for entry in self.models if entry.default]
         if len(defaults) > 1:
             raise ValueError(f"more than one default model: {', '.join(map(repr, defaults))}; mark one")
-        if len(self.models) > 1 and self.edge_processes:
-            raise ValueError("edge_processes with several models is not supported yet; serve them in one process "
-                             "(edge_processes 0)")
+        if self.models and self.edge_processes:
+            raise ValueError("edge_processes serve the one-model form (--model PATH) only, for now: named models and "
+                             "models files are served in one process (edge_processes 0)")
 
     @property
     def model_entries(self) -> tuple[ModelEntry, ...]:

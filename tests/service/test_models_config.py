@@ -107,7 +107,8 @@ def test_a_bad_models_file_is_refused_naming_the_value(tmp_path: Path, text: str
     (["--model", "e=/a"], {"ATTN_MODELS_FILE": "/etc/models.toml"}, r"models_file and --model/--models"),
     (["--models-file", "/no/such/file.toml"], {}, r"models_file must name a readable file; got '/no/such"),
     (["--memory-budget-mb", "-1"], {}, r"memory_budget_mb must be >= 0; got -1"),
-    (["--model", "a=/a", "--model", "b=/b", "--edge-processes", "2"], {}, r"edge_processes with several models"),
+    (["--model", "a=/a", "--model", "b=/b", "--edge-processes", "2"], {}, r"edge_processes serve the one-model"),
+    (["--model", "a=/a", "--edge-processes", "1"], {}, r"edge_processes serve the one-model form"),
 ])
 def test_bad_model_flags_are_refused_naming_the_value(argv: list[str], env: dict[str, str], error: str):
     with pytest.raises(ValueError, match=error):
