@@ -172,7 +172,6 @@ class Metrics:
             "attention_queue_limit_tokens", "Queued tokens beyond which calls are refused", ["model"], registry=r,
             multiprocess_mode="max")
         # Set per model now (ModelMetrics.on_limits); what the server still sets here goes nowhere.
-        self.queue_limit_tokens = _Unlabelled()
         self.ready = Gauge("attention_ready", "1 when the model is warm and the service SERVING", registry=r,
                            multiprocess_mode="livemin")
         self.model_info = Gauge(
@@ -480,13 +479,6 @@ class ModelMetrics:
                 gauge.remove(*labels)
             except KeyError:  # never set, or already gone
                 pass
-
-
-class _Unlabelled:
-    """What `Metrics.queue_limit_tokens` was (one gauge for the process); the limit is per model now."""
-
-    def set(self, value: float) -> None:
-        pass
 
 
 def summed_counts(registry: CollectorRegistry, last_inference_ms: int = 0, model: str = "") -> ModelCounts:

@@ -71,7 +71,6 @@ async def run(directory: Path) -> int:
     drains: asyncio.Queue[float] = asyncio.Queue()
     lost = asyncio.Event()
     client = ModelClient(reader, writer, limit, drains.put_nowait, lost.set)
-    metrics.queue_limit_tokens.set(config.max_queue_tokens)
     await lifecycle.open()
     grpc, http = doors.grpc, doors.http
     await grpc.server.start()

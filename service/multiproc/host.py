@@ -215,7 +215,6 @@ class ModelHost:
         self.port = port
         self.http_port = http_port  # the HTTP door's (docs/http.md), held like the gRPC port; -1: off
         self.metrics = Metrics(CollectorRegistry())
-        self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
         multiprocess.MultiProcessCollector(self.totals, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
         self.lifecycle = Lifecycle(config, self.metrics, self.totals)

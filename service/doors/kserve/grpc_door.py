@@ -6,7 +6,7 @@ shared with every gRPC door.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -45,6 +45,10 @@ class KServeServicer:
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, *h), response_serializer=bytes)
                    for name, h in handlers.items()}
         methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(self.model_infer, response_serializer=bytes)
+        for name, request_type, handle in (("RepositoryModelLoad", v2.RepositoryModelLoadRequest, core.load),
+                                           ("RepositoryModelUnload", v2.RepositoryModelUnloadRequest, core.unload)):
+            methods[name] = grpc.unary_unary_rpc_method_handler(self._awaited(name, request_type, handle),
+                                                                response_serializer=bytes)
         methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
             self.model_stream_infer, response_serializer=bytes)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
@@ -53,6 +57,15 @@ class KServeServicer:
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             async def work() -> bytes:
                 return await serialize(handle(await parse(request_type, raw, self._config)))
+
+            return await self._rpc.answer(method, context, work)
+
+        return call
+
+    def _awaited(self, method: str, request_type: Any, handle: Callable[[Any], Awaitable[Any]]) -> Any:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            async def work() -> bytes:
+                return await serialize(await handle(await parse(request_type, raw, self._config)))
 
             return await self._rpc.answer(method, context, work)
 
