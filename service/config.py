@@ -303,9 +303,9 @@ class ServiceConfig:
         defaults = [entry.name or entry.path for entry in self.models if entry.default]
         if len(defaults) > 1:
             raise ValueError(f"more than one default model: {', '.join(map(repr, defaults))}; mark one")
-        if self.models and self.edge_processes:
-            raise ValueError("edge_processes serve the one-model form (--model PATH) only, for now: named models and "
-                             "models files are served in one process (edge_processes 0)")
+        if self.model_control == "explicit" and self.edge_processes:
+            raise ValueError("model_control explicit (loading and unloading models while serving) is for one process: "
+                             "with edge_processes every edge holds the models it was started with")
 
     @property
     def model_entries(self) -> tuple[ModelEntry, ...]:

@@ -165,3 +165,35 @@ async def test_repository_control_is_off_by_default(start_server: Callable[..., 
             await client.unload_model("tiny")
     finally:
         await client.close()
+
+
+async def test_several_models_through_edge_processes(start_server: Callable[..., Any], tiny_text_bundle: Path,
+                                                     bert_reranker: Any) -> None:
+    from proto.attention.v1 import attention_pb2_grpc
+    from tests.support.server_process import ServerProcess
+
+    alone_text = await start_server(bundle=tiny_text_bundle)
+    alone_rerank = await start_server(bundle=bert_reranker[0])
+    want = await alone_text.stub.Encode(_encode(), timeout=30)
+    want_rerank = await alone_rerank.stub.Rerank(pb.RerankRequest(query="a cat", texts=TEXTS), timeout=30)
+    # ServerProcess passes its bundle as the first --model: NAME=PATH entries, repeated, serve several models.
+    server = await asyncio.to_thread(ServerProcess, Path(f"embedder={tiny_text_bundle}"), "--model",
+                                     f"reranker={bert_reranker[0]}", "--edge-processes", "2")
+    try:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            for _ in range(4):  # the kernel spreads connections over the edges: ask a few times
+                got = await stub.Encode(_encode("embedder"), timeout=30)
+                for a, b in zip(got.outputs, want.outputs, strict=True):
+                    assert np.array_equal(from_tensor(a.pooled), from_tensor(b.pooled))
+                got_rerank = await stub.Rerank(pb.RerankRequest(query="a cat", texts=TEXTS, model="reranker"),
+                                               timeout=30)
+                assert [(r.index, r.score) for r in got_rerank.results] == [
+                    (r.index, r.score) for r in want_rerank.results]
+            listed = await stub.ListModels(pb.ListModelsRequest(), timeout=10)
+            assert [m.name for m in listed.models] == ["embedder", "reranker"]
+            health = health_pb2_grpc.HealthStub(channel)
+            assert (await health.Check(health_pb2.HealthCheckRequest(service="reranker"), timeout=10)).status == \
+                health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await asyncio.to_thread(server.stop)
