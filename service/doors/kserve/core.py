@@ -63,7 +63,7 @@ from service.metrics import Timing
 
 SERVER_NAME = "attention-service"
 SERVER_VERSION = "0.1.0"  # pyproject.toml's
-EXTENSIONS = ("model_configuration", "statistics", "parameters", "model_repository")
+EXTENSIONS = ("model_configuration", "statistics", "parameters")
 
 
 class KServe:
@@ -200,6 +200,10 @@ class KServe:
                              (calls.compute_output, Timing(counts.compute.count))):
             into.count, into.ns = timing.count, int(timing.seconds * 1e9)
         return stats
+
+    def extensions(self) -> tuple[str, ...]:
+        """The protocol extensions this server speaks: the repository's only with model control on."""
+        return EXTENSIONS + (("model_repository",) if self._config.model_control == "explicit" else ())
 
     # -- the repository extension: load and unload while serving -----------------------------------------
 

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2 as v2
 
-from service.doors.kserve.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, KServe
+from service.doors.kserve.core import SERVER_NAME, SERVER_VERSION, KServe
 from service.doors.kserve.wire import final_flag
 from service.doors.rpc import Rpc, parse, public, remaining, serialize
 from service.errors import ServiceError, status_of
@@ -36,7 +36,7 @@ class KServeServicer:
             "ServerReady": (v2.ServerReadyRequest, lambda _: v2.ServerReadyResponse(ready=core.ready())),
             "ModelReady": (v2.ModelReadyRequest, core.model_ready),
             "ServerMetadata": (v2.ServerMetadataRequest, lambda _: v2.ServerMetadataResponse(
-                name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)),
+                name=SERVER_NAME, version=SERVER_VERSION, extensions=core.extensions())),
             "ModelMetadata": (v2.ModelMetadataRequest, core.model_metadata),
             "ModelConfig": (v2.ModelConfigRequest, core.model_config),
             "ModelStatistics": (v2.ModelStatisticsRequest, core.model_statistics),

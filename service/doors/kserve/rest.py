@@ -33,7 +33,7 @@ from service.doors.http.wire import (
     parse_json,
     read_body,
 )
-from service.doors.kserve.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, KServe
+from service.doors.kserve.core import SERVER_NAME, SERVER_VERSION, KServe
 from service.errors import InvalidInput, ServiceError
 
 HEADER = "Inference-Header-Content-Length"
@@ -270,7 +270,7 @@ class KServeRest:
 
     async def server_metadata(self, request: web.Request) -> web.StreamResponse:
         return json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
-                              "extensions": [*EXTENSIONS, "binary_tensor_data"]})
+                              "extensions": [*self._core.extensions(), "binary_tensor_data"]})
 
     async def live(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
