@@ -87,7 +87,7 @@ async def test_requests_are_counted_by_method_and_code_and_served_over_http(star
                                              "precision_source": "configured", "model": "tiny"}) == 1
     text = await asyncio.to_thread(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read())
-    assert b'attention_requests_total{code="OK",method="Encode",model=""} 1.0' in text  # the doors name no model yet
+    assert b'attention_requests_total{code="OK",method="Encode",model="tiny"} 1.0' in text  # the model it ran on
     assert b"attention_request_duration_seconds_bucket" in text
 
 
