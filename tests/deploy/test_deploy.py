@@ -41,6 +41,9 @@ COMPOSE_VARIANTS = {
     "cpu": ["docker-compose.yml", "docker-compose.cpu.yml"],
     "gpu-scale": ["docker-compose.yml", "docker-compose.scale.yml"],
     "cpu-scale": ["docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.scale.yml"],
+    # An embedder and a reranker in one service (tests/deploy/test_compose_models.py has its own checks).
+    "gpu-models": ["docker-compose.yml", "docker-compose.models.yml"],
+    "cpu-models": ["docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.models.yml"],
 }
 GRPC_PORT, METRICS_PORT, HTTP_PORT = 50051, 9464, 8000
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
@@ -213,10 +216,12 @@ def _compose_cmd() -> list[str]:
 
 @pytest.fixture(scope="module")
 def compose_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A clean environment: no DOCKER_HOST/COMPOSE_* or user docker config (config needs no engine)."""
+    """A clean environment: no DOCKER_HOST/COMPOSE_* or user docker config (config needs no engine), and
+    the reranker folder docker-compose.models.yml requires (an empty directory: config reads no model)."""
     home = tmp_path_factory.mktemp("compose-home")
     path = os.environ.get("PATH", "/usr/bin:/bin")
-    return {"PATH": path, "HOME": str(home), "DOCKER_CONFIG": str(home / "docker")}
+    reranker = tmp_path_factory.mktemp("reranker")
+    return {"PATH": path, "HOME": str(home), "DOCKER_CONFIG": str(home / "docker"), "ATTN_RERANKER_DIR": str(reranker)}
 
 
 def _compose(variant: str, env: dict[str, str], *args: str) -> str:

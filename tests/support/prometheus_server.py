@@ -121,6 +121,12 @@ class PrometheusServer:
                 )
             time.sleep(interval)
 
+    def label_values(self, label: str, match: str) -> list[str]:
+        """The values `label` takes on the series `match` selects (/api/v1/label/<label>/values): what a
+        Grafana variable `label_values(match, label)` offers."""
+        values: list[str] = self._api(f"/api/v1/label/{urllib.parse.quote(label)}/values", {"match[]": match})
+        return values
+
     def targets(self) -> list[dict[str, Any]]:
         """Active scrape targets in short form: job, url, health and last error."""
         data = self._api("/api/v1/targets", {"state": "active"})
