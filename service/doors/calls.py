@@ -227,6 +227,7 @@ class Calls:
         """Plan `ask` on `model`, compute it within `seconds`, finish and check its outputs, and answer its
         task (the module docstring). Raises the `ServiceError` its caller gets."""
         spec = model.spec
+        CALL_MODEL.set(spec.name)  # the call's metrics are this model's (a door may have looked up another first)
         try:
             plan = await plan_call(ask, spec, model.config or self.config, names, response_size)
         except NonFiniteInput:

@@ -405,18 +405,9 @@ def _attention(server: ServerProcess, model: str) -> str:
 
 DOORS: dict[str, Callable[[ServerProcess, str], str]] = {
     "attention.v1": _attention, "openai": _openai, "kserve-grpc": _kserve_grpc, "kserve-rest": _kserve_rest}
-# Found by this test: the OpenAI route and KServe infer (both transports) resolve the
-# named model after `calls.model()` has set the call's model (CALL_MODEL) to the default one, and do not set
-# it again, so a call to another model is counted under the default model's name.
-MISLABELLED = {("openai", RERANK), ("kserve-grpc", RERANK), ("kserve-rest", RERANK)}
-
-
-@pytest.mark.parametrize(("door", "model"), [
-    pytest.param(door, model, marks=pytest.mark.xfail(
-        strict=True, reason="counted under the default model: service/doors/http/openai.py and "
-        "service/doors/kserve/core.py `served` find the model without setting CALL_MODEL"))
-    if (door, model) in MISLABELLED else (door, model)
-    for door in DOORS for model in MODELS])
+# This test found the OpenAI route and KServe infer counting a call to another model under the default one
+# (a door's readiness lookup set the call's model first); Calls.run now sets it for the model the call runs on.
+@pytest.mark.parametrize(("door", "model"), [(door, model) for door in DOORS for model in MODELS])
 def test_each_door_counts_a_call_under_the_model_it_ran_on(two_models: ServerProcess, door: str,
                                                              model: str) -> None:
     def counts() -> dict[str, float]:
