@@ -68,6 +68,17 @@ class ServiceConfig:
     small_batch_work: int = _opt(16384, "a CPU batch below this much work (batch tokens x d_model x layers) runs on "
                                         "one intra-op thread, however many it may use (0 = never)")
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
+    # Names (docs/http.md "Coming from TEI")
+    served_model_name: str = _opt("", "the name the model is served as, everywhere a name is shown (OpenAI, TEI "
+                                      "/info, KServe, ModelInfo, metrics); empty = the bundle's own name")
+    model_alias: str = field(default="", metadata={
+        "help": "more names the model answers to (comma-separated, or the flag repeated), e.g. "
+                "text-embedding-3-small for clients that default to it", "env": True, "repeat": True})
+    # TEI and OpenAI dialects (docs/http.md)
+    auto_truncate: bool = _opt(True, "TEI's and OpenAI's routes cut a text over the model's limit unless the call "
+                                     "says truncate=false (as TEI 1.9); attention.v1 and KServe keep long_inputs")
+    openai_token_ids: bool = _opt(False, "take token ids on /v1/embeddings as this model's own (off: 400, since "
+                                         "OpenAI clients such as LangChain's send tiktoken ids by default)")
     # Batching
     max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length (0 = where "
                                     "throughput stops growing at warm-up; without warm-up 1024 on cpu, 16384 on "
@@ -188,6 +199,12 @@ class ServiceConfig:
         armed = [name for name in hooks if getattr(self, name) > 0]
         if armed and not self.allow_fault_hooks:
             raise ValueError(f"{', '.join(armed)} set, but fault hooks are refused unless allow_fault_hooks is on")
+        for name in (self.served_model_name, *self.model_aliases):
+            if not name.isprintable() or " " in name or len(name) > 256:
+                raise ValueError(f"served_model_name and model_alias must be printable, without spaces, at most "
+                                 f"256 characters; got {name[:64]!r}")
+        if len(set(self.model_aliases)) != len(self.model_aliases) or self.served_model_name in self.model_aliases:
+            raise ValueError(f"model_alias repeats a name: {self.model_alias!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
@@ -224,6 +241,11 @@ class ServiceConfig:
         return values
 
     @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """model_alias parsed: the names, in order (comma-separated; a repeated flag was joined with commas)."""
+        return tuple(n.strip() for n in self.model_alias.split(",") if n.strip())
+
+    @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
 
@@ -250,7 +272,7 @@ class ServiceConfig:
             flag_value = getattr(args, f.name, None)
             env_value = env.get(f"ATTN_{f.name.upper()}")
             if flag_value is not None:
-                values[f.name] = flag_value
+                values[f.name] = ",".join(flag_value) if isinstance(flag_value, list) else flag_value
             elif env_value is not None:
                 values[f.name] = _parse(f, env_value)
         return cls(**values)
@@ -297,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
         if kind is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
+        elif f.metadata.get("repeat"):
+            parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=None, help=help_text,
                                 choices=CHOICES.get(f.name))

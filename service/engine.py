@@ -176,6 +176,8 @@ class Engine:
             bundle_dir = await self._default_bundle()
         runner = Runner(config, bundle_dir, metrics, len(threads))
         spec = await threads.call(runner.load)
+        if config.served_model_name:  # the name every door, the metrics and an edge process's HELLO show
+            spec = dataclasses.replace(spec, name=config.served_model_name)
         split, budget = await measure_choices(config, spec, runner, threads)
         if split.workers < len(threads):
             threads.shrink(split.workers)

@@ -92,7 +92,7 @@ class Server:
 
     async def _load_and_warm(self) -> None:
         batcher, spec = await self.engine.load()
-        self.serving.add(Model(spec, batcher))
+        self.serving.add(Model(spec, batcher, self.config.model_aliases))
         await self.lifecycle.serving({"port": self.port, "http_port": self.http_port})
         log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, self.config.host, self.port,
                  spec.device, spec.precision)

@@ -77,7 +77,7 @@ async def run(directory: Path) -> int:
     await grpc.server.start()
     if http is not None:
         await http.start()
-    serving.add(Model(spec, client))
+    serving.add(Model(spec, client, config.model_aliases))  # the served name came in the HELLO's spec
     await lifecycle.serving({})
     client.start()
     client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": grpc.port}))
