@@ -1,5 +1,5 @@
 """Every door of a serving process, assembled over one shared call layer: the gRPC server with its doors
-(attention.v1, KServe v2) and, when an HTTP port is configured, the HTTP door with its dialects' routes
+(attention.v1, KServe v2, TEI's tei.v1) and, when an HTTP port is configured, the HTTP door with its dialects' routes
 (OpenAI, TEI, Cohere-style rerank, KServe v2 REST, attention.v1 as JSON). The one place that knows the list of
 doors: a new door is one more entry here, its names (RPCs, routes) registered by the door itself.
 
@@ -25,6 +25,7 @@ from service.doors.http.tei import TEI
 from service.doors.kserve.core import KServe
 from service.doors.kserve.grpc_door import KServeServicer
 from service.doors.kserve.rest import KServeRest
+from service.doors.tei_v1 import TeiV1
 
 
 @dataclass
@@ -40,8 +41,8 @@ def build_doors(config: ServiceConfig, calls: Calls, health_servicer: health.aio
     """Every door over `calls`, bound to the configured ports (the HTTP door only with `http_port` >= 0).
     Raises RuntimeError "Failed to bind" (gRPC) or OSError naming the setting (HTTP) when a port is taken."""
     kserve = KServe(calls, workers)
-    grpc = build_grpc_server(config, [AttentionServicer(calls), KServeServicer(kserve)], calls.metrics,
-                             health_servicer, reuse_port=reuse_port)
+    grpc = build_grpc_server(config, [AttentionServicer(calls), KServeServicer(kserve), *TeiV1(calls).services()],
+                             calls.metrics, health_servicer, reuse_port=reuse_port)
     http = None
     if config.http_port >= 0:
         dialects = [OpenAI(calls).routes(), TEI(calls).routes(), Rerank(calls).routes(), KServeRest(kserve).routes(),
