@@ -216,10 +216,11 @@ async def test_tei_error_codes_and_bodies(start_server: Any, fault_bundle: Path)
 async def test_tokens_are_required_except_on_health_routes(start_server: Any) -> None:
     s = await start_server(http_port=0, auth_tokens="sekrit-1,sekrit-2", openai_token_ids=True)
     async with httpx.AsyncClient(base_url=url(s)) as http:
-        for path in ("/health", "/v2/health/live", "/v2/health/ready"):
+        for path in ("/health", "/", "/ping", "/v2/health/live", "/v2/health/ready"):
             assert (await http.get(path)).status_code == 200, path
-        r = await http.post("/embed", json={"inputs": [[1]]})
-        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        for path in ("/embed", "/"):  # POST / is TEI's inference route, not its health route
+            r = await http.post(path, json={"inputs": [[1]]})
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
         assert r.json()["error"] == "missing or invalid credentials"
         for value in ("Bearer wrong", "Basic sekrit-1"):
             r = await http.post("/embed", json={"inputs": [[1]]}, headers={"authorization": value})
@@ -231,7 +232,7 @@ async def test_tokens_are_required_except_on_health_routes(start_server: Any) ->
             await client.embeddings.create(model="tiny", input=[[1]])
     async with sdk(s, api_key="sekrit-1") as client:
         assert len((await client.embeddings.create(model="tiny", input=[[1]])).data) == 1
-    assert s.sample("attention_auth_failures_total", {"reason": "missing"}) == 1
+    assert s.sample("attention_auth_failures_total", {"reason": "missing"}) == 2
     assert s.sample("attention_auth_failures_total", {"reason": "invalid"}) == 2
 
 
