@@ -2,6 +2,11 @@
 
 This is the only module that reads the environment. Every field has a default and a help text
 (`python -m service --help` prints them all) and is validated on construction.
+
+Several models (docs/configuration.md, "Several models"): `--model NAME=PATH` repeated, `--models
+NAME=PATH,...`, or a models file (`--models-file`, TOML) with per-model settings. Each is a `ModelEntry`;
+`ServiceConfig.for_model(entry)` is the config that model runs with (the service's, with the entry's
+settings over it). A bare `--model PATH` stays the one-model form, exactly as before (`model`).
 """
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import resource
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +29,51 @@ CHOICES = {
     "pipeline": ("auto", "on", "off"),
     "backend": ("auto", "torchscript", "aoti"),
     "log_level": ("debug", "info", "warning", "error"),
+    "model_control": ("none", "explicit"),
 }
+
+# What a model may set for itself (models file, `Engine.load_model`); the rest is the service's.
+MODEL_SETTINGS = (
+    "precision", "backend", "nonfinite_policy", "max_batch_tokens", "max_batch_size", "max_wait_ms", "max_age_ms",
+    "max_queue_tokens", "max_queue_requests", "max_sequences_per_call", "max_tokens_per_call", "diagnostics_sample",
+)
+# A served name: what KServe puts in a URL path (/v2/models/{name}/infer) and a health service name. Aliases
+# (what OpenAI callers send as `model`) may hold "/" too ("BAAI/bge-small-en-v1.5").
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+ALIAS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,255}")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model to serve: its served name ("": the bundle's own, from its manifest), where it is (a bundle
+    or a Hugging Face folder), other names callers may use, whether it is the default (calls that name no
+    model), and its own settings (names of ServiceConfig fields in MODEL_SETTINGS, with their values)."""
+
+    name: str
+    path: str
+    aliases: tuple[str, ...] = ()
+    default: bool = False
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        what = f"model {self.name!r}" if self.name else f"model {self.path!r}"
+        if self.name and not NAME.fullmatch(self.name):
+            raise ValueError(f"{what}: a model name is letters, digits and . _ : - (at most 128, starting with a "
+                             f"letter or digit); got {self.name!r}")
+        if not self.path:
+            raise ValueError(f"{what}: path must name a bundle or a Hugging Face folder; got ''")
+        for alias in self.aliases:
+            if not isinstance(alias, str) or not ALIAS.fullmatch(alias):
+                raise ValueError(f"{what}: an alias is letters, digits and . _ : / - (at most 256); got {alias!r}")
+        for key, _ in self.settings:
+            if key not in MODEL_SETTINGS:
+                raise ValueError(f"{what}: {key!r} is not a per-model setting (one of {', '.join(MODEL_SETTINGS)})")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name it answers to that is known before loading (its own, unless from the manifest, and its
+        aliases)."""
+        return ((self.name,) if self.name else ()) + self.aliases
 
 
 def _default_cache_dir() -> str:
@@ -30,8 +81,8 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "attention-service")
 
 
-def _opt(default: Any, help: str, *, env: bool = True) -> Any:
-    return field(default=default, metadata={"help": help, "env": env})
+def _opt(default: Any, help: str, *, env: bool = True, repeat: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "env": env, "repeat": repeat})
 
 
 @dataclass(frozen=True)
@@ -50,7 +101,17 @@ class ServiceConfig:
     ready_file: str = _opt("", "write {port, metrics_port, health_port, pid} as JSON here once SERVING")
     # Model
     model: str = _opt("", "model bundle directory, or a Hugging Face model folder (converted into cache_dir on "
-                      "first use, as convert-hf does); empty = the built-in default model, built on first use")
+                      "first use, as convert-hf does); empty = the built-in default model, built on first use. "
+                      "NAME=PATH serves it as NAME; repeat --model for several models (the first is the default)",
+                      repeat=True)
+    models: tuple[ModelEntry, ...] = _opt(
+        (), "several models: NAME=PATH entries, comma-separated (after those of --model; the first is the default)")
+    models_file: str = _opt("", "TOML file of the models to serve and their own settings (docs/configuration.md, "
+                                "\"Several models\"); instead of --model and --models")
+    memory_budget_mb: int = _opt(0, "most memory the loaded models' weights may take, MiB (device memory on cuda, "
+                                    "the process's on cpu): a model that would not fit is refused (0 = no budget)")
+    model_control: str = _opt("none", "none | explicit: explicit allows loading and unloading models at run time "
+                                      "(KServe's repository API), as Triton's --model-control-mode")
     cache_dir: str = _opt("", "where the built-in default bundle and converted Hugging Face folders are built "
                           "(default ~/.cache/attention-service)")
     device: str = _opt("auto", "auto | cpu | cuda (auto = cuda when available)")
@@ -71,9 +132,8 @@ class ServiceConfig:
     # Names (docs/http.md "Coming from TEI")
     served_model_name: str = _opt("", "the name the model is served as, everywhere a name is shown (OpenAI, TEI "
                                       "/info, KServe, ModelInfo, metrics); empty = the bundle's own name")
-    model_alias: str = field(default="", metadata={
-        "help": "more names the model answers to (comma-separated, or the flag repeated), e.g. "
-                "text-embedding-3-small for clients that default to it", "env": True, "repeat": True})
+    model_alias: str = _opt("", "more names the model answers to (comma-separated, or the flag repeated), e.g. "
+                                "text-embedding-3-small for clients that default to it", repeat=True)
     # TEI and OpenAI dialects (docs/http.md)
     auto_truncate: bool = _opt(True, "TEI's and OpenAI's routes cut a text over the model's limit unless the call "
                                      "says truncate=false (as TEI 1.9); attention.v1 and KServe keep long_inputs")
@@ -165,6 +225,7 @@ class ServiceConfig:
         return max(64, min(8192, soft // 4)) if soft != resource.RLIM_INFINITY else 8192
 
     def __post_init__(self) -> None:
+        self._check_models()
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
@@ -225,6 +286,59 @@ class ServiceConfig:
             raise ValueError(
                 f"max_batch_size ({self.max_batch_size}) cannot exceed max_batch_tokens ({self.max_batch_tokens})"
             )
+        _check("memory_budget_mb", self.memory_budget_mb, 0, None)
+        for entry in self.models:
+            try:
+                self.for_model(entry)
+            except ValueError as e:
+                raise ValueError(f"model {entry.name or entry.path!r}: {e}") from None
+
+    def _check_models(self) -> None:
+        """`models` as entries (a string of NAME=PATH entries parsed, the models file read when `models` is
+        empty), their names and aliases distinct, at most one default; `model` or these, not both."""
+        models: Any = self.models
+        if isinstance(models, str):
+            models = parse_models(models, "models")
+        elif not isinstance(models, tuple):  # a list (JSON) or another sequence of entries
+            models = tuple(models)
+        if self.models_file and not models:
+            models = load_models_file(self.models_file)
+        object.__setattr__(self, "models", models)
+        if self.model and self.models:
+            raise ValueError("model and models both set: give one model as model, or every model as models "
+                             "(--model NAME=PATH, --models, --models-file)")
+        if self.models and (self.served_model_name or self.model_alias):
+            raise ValueError("served_model_name and model_alias name the one model of --model PATH; several models "
+                             "are named by their entries (NAME=PATH, a models file's aliases)")
+        seen: dict[str, str] = {}
+        for entry in self.models:
+            if not isinstance(entry, ModelEntry):
+                raise ValueError(f"models must hold model entries; got {entry!r}")
+            for name in entry.names:
+                if name in seen:
+                    raise ValueError(f"model name {name!r} is given twice (model {seen[name]!r} and "
+                                     f"{entry.name or entry.path!r}): every name and alias must be distinct")
+                seen[name] = entry.name or entry.path
+        defaults = [entry.name or entry.path for entry in self.models if entry.default]
+        if len(defaults) > 1:
+            raise ValueError(f"more than one default model: {', '.join(map(repr, defaults))}; mark one")
+        if self.model_control == "explicit" and self.edge_processes:
+            raise ValueError("model_control explicit (loading and unloading models while serving) is for one process: "
+                             "with edge_processes every edge holds the models it was started with")
+
+    @property
+    def model_entries(self) -> tuple[ModelEntry, ...]:
+        """The models to serve, the default first: `models`, or the one `model` (its name from its manifest)."""
+        if not self.models:
+            return (ModelEntry("", self.model),) if self.model else ()
+        default = next((entry for entry in self.models if entry.default), self.models[0])
+        return (default, *(entry for entry in self.models if entry is not default))
+
+    def for_model(self, entry: ModelEntry) -> ServiceConfig:
+        """The config `entry`'s model runs with: this one, with its path as `model` and its settings over
+        this one's (validated as any config is)."""
+        return dataclasses.replace(self, model=entry.path, models=(), models_file="", served_model_name="",
+                                   model_alias="", **dict(entry.settings))
 
     @property
     def entropy_baselines(self) -> tuple[float, ...]:
@@ -272,9 +386,19 @@ class ServiceConfig:
             flag_value = getattr(args, f.name, None)
             env_value = env.get(f"ATTN_{f.name.upper()}")
             if flag_value is not None:
-                values[f.name] = ",".join(flag_value) if isinstance(flag_value, list) else flag_value
+                values[f.name] = flag_value
             elif env_value is not None:
-                values[f.name] = _parse(f, env_value)
+                values[f.name] = [env_value] if f.metadata.get("repeat") else _parse(f, env_value)
+        models = [parse_model(value, "model") for value in values.pop("model", []) if value]
+        if len(models) == 1 and not models[0].name and "models" not in values:
+            values["model"] = models[0].path  # the one-model form, as it always was
+        elif models or "models" in values:
+            values["models"] = (*models, *parse_models(values.get("models", ""), "models"))
+        if values.get("models_file") and values.get("models"):
+            raise ValueError("models_file and --model/--models (or ATTN_MODEL/ATTN_MODELS) both set: give the "
+                             "models one way")
+        if "model_alias" in values:  # repeated, each comma-separated
+            values["model_alias"] = ",".join(values["model_alias"])
         return cls(**values)
 
 
@@ -299,6 +423,90 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
         return kind(raw)
     except ValueError:
         raise ValueError(f"ATTN_{f.name.upper()} must be a {kind.__name__}; got {raw!r}") from None
+
+
+def parse_model(text: str, field_name: str) -> ModelEntry:
+    """`NAME=PATH` (served as NAME), or a bare `PATH` (served by the bundle's own name). A `=` that follows a
+    "/" is part of a path, not a name."""
+    name, sep, path = text.partition("=")
+    if sep and "/" not in name:
+        if not NAME.fullmatch(name):
+            raise ValueError(f"{field_name}: a model name is letters, digits and . _ : - before the '='; got "
+                             f"{name!r} in {text!r}")
+        return ModelEntry(name, path)
+    return ModelEntry("", text)
+
+
+def parse_models(text: str, field_name: str) -> tuple[ModelEntry, ...]:
+    """Comma-separated `NAME=PATH` entries (each named: a comma list of bare paths would be ambiguous)."""
+    entries = tuple(parse_model(part.strip(), field_name) for part in text.split(",") if part.strip())
+    for entry in entries:
+        if not entry.name:
+            raise ValueError(f"{field_name}: every entry is NAME=PATH; got {entry.path!r}")
+    return entries
+
+
+_FILE_KEYS = ("path", "served_name", "aliases", "default")
+
+
+def model_entry(key: str, table: Mapping[str, Any], base: Path | None = None, where: str = "") -> ModelEntry:
+    """One model's table (of a models file, or `Engine.load_model`'s settings with "path"): checked key by key,
+    the bad one named. A relative path is taken from `base` (the file's directory)."""
+    where = where or f"model {key!r}"
+    if not isinstance(table, Mapping):
+        raise ValueError(f"{where}: must be a table of settings; got {table!r}")
+    unknown = [k for k in table if k not in _FILE_KEYS and k not in MODEL_SETTINGS]
+    if unknown:
+        raise ValueError(f"{where}: unknown setting {unknown[0]!r}; one of {', '.join((*_FILE_KEYS, *MODEL_SETTINGS))}")
+    path = table.get("path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{where}.path: a bundle or Hugging Face folder is required; got {path!r}")
+    if base is not None and not Path(path).is_absolute():
+        path = str(base / path)
+    name = table.get("served_name", key)
+    if not isinstance(name, str):
+        raise ValueError(f"{where}.served_name: must be a string; got {name!r}")
+    aliases = table.get("aliases", [])
+    if isinstance(aliases, str) or not isinstance(aliases, Sequence):
+        raise ValueError(f"{where}.aliases: must be a list of names; got {aliases!r}")
+    default = table.get("default", False)
+    if not isinstance(default, bool):
+        raise ValueError(f"{where}.default: must be true or false; got {default!r}")
+    fields = {f.name: f for f in dataclasses.fields(ServiceConfig)}
+    settings = []
+    for setting in MODEL_SETTINGS:
+        if setting in table:
+            value, kind = table[setting], _kind(fields[setting])
+            ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value, ok = float(value), True
+            if not ok:
+                article = "an" if kind is int else "a"
+                raise ValueError(f"{where}.{setting}: must be {article} {kind.__name__}; got {value!r}")
+            settings.append((setting, value))
+    try:
+        return ModelEntry(name, path, tuple(aliases), default, tuple(settings))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def load_models_file(path: str) -> tuple[ModelEntry, ...]:
+    """A models file: one `[models.NAME]` table per model, in the order served (docs/configuration.md)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"models_file must name a readable file; got {path!r} ({e.strerror})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"models_file {path!r} is not valid TOML: {e}") from None
+    unknown = [k for k in data if k != "models"]
+    if unknown:
+        raise ValueError(f"models_file {path!r}: unknown key {unknown[0]!r}; the file holds [models.NAME] tables")
+    models = data.get("models")
+    if not isinstance(models, dict) or not models:
+        raise ValueError(f"models_file {path!r}: no [models.NAME] table; it must name at least one model")
+    base = Path(path).resolve().parent
+    return tuple(model_entry(key, table, base, f"models_file {path!r}: models.{key}") for key, table in models.items())
 
 
 def build_parser() -> argparse.ArgumentParser:

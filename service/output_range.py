@@ -31,7 +31,7 @@ def check_representable(outputs: Sequence[Output], output_dtype: str, attention_
     """Raise `OutputOverflow` when a value of `outputs` would be Inf in the dtype it is sent in
     (float32 | float16 | bfloat16); `fields` name the two dtype options in the door's terms."""
     if output_dtype in _OVERFLOWS_AT:
-        arrays = [a for o in outputs for a in (o.hidden, o.pooled) if a is not None]
+        arrays = [a for o in outputs for a in (o.hidden, o.pooled, o.vectors) if a is not None and a.dtype.kind == "f"]
         _check(fields[0], arrays, output_dtype)
     if attention_dtype in _OVERFLOWS_AT:  # softmax weights lie in [0, 1]: kept for models of other kinds
         _check(fields[1], [o.attention for o in outputs if o.attention is not None], attention_dtype)

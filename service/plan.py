@@ -44,7 +44,8 @@ from service.chunking import (
 from service.config import ServiceConfig
 from service.errors import FailedPrecondition, InvalidInput, NonFiniteInput, TaskUnavailable, shown
 from service.jobs import POOL_CLS, POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
-from service.vectors import VectorFields, Vectors, plan_vectors
+from service.tasks import M3_MODES
+from service.vectors import SCALAR, VectorFields, Vectors, plan_vectors
 
 if TYPE_CHECKING:
     from model.text import Encoded
@@ -95,6 +96,12 @@ class Ask:
     top_n: int | None = None
     sparse: tuple[int, float] | None = None  # embed: a SPLADE vector per sequence, (top_k (0: all), threshold)
     raw_scores: bool = False  # classify and rerank: the logits themselves, not their softmax or sigmoid
+    # A late-interaction model's token vectors (Output.vectors), its texts encoded as "query" or "document";
+    # None: none. On such a model (no cross-encoder head) rerank scores with them: `scoring` "" (MaxSim) or one
+    # of BGE-M3's compute_score modes (service/tasks.py M3_MODES), `weights` (dense, sparse, colbert).
+    vectors: str | None = None
+    scoring: str = ""
+    weights: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,9 @@ class Names:
     query: str = "query"
     top_n: str = "top_n"
     sparse: str = "output.sparse"
+    vectors: str = "output.vectors"
+    scoring: str = "scoring"
+    weights: str = "weights"
 
     def vector_fields(self) -> VectorFields:
         return VectorFields(self.dimensions, self.quantization, self.ranges, self.ranges_min, self.ranges_max)
@@ -166,15 +176,20 @@ class Plan:
     raw_scores: bool = False  # classify and rerank: the logits as scores (service/tasks.py)
     sparse: tuple[int, float] | None = None  # embed: (top_k, threshold) of each sequence's sparse vector
     vectors: Vectors | None = None  # the pooled vectors' dimensions and quantization; None: as computed
+    # rerank on a late-interaction model: (scoring, weights); the query is the last job (service/tasks.py)
+    late: tuple[str, tuple[float, float, float]] | None = None
 
     def finish(self, outputs: Sequence[Output]) -> list[Output]:
         """The output stage: the jobs' outputs (a chunked sequence's windows each) -> one per sequence of
-        the call, windows stitched, pooled vectors cut and quantized as asked (service/vectors.py)."""
+        the call, windows stitched, pooled vectors cut and quantized as asked, token vectors quantized as
+        asked (service/vectors.py)."""
         out = stitch_all(self.chunks, outputs) if self.chunks else list(outputs)
         vectors = self.vectors
         if vectors is None:
             return out
-        return [o if o.pooled is None else dataclasses.replace(o, pooled=vectors.apply(o.pooled)) for o in out]
+        return [dataclasses.replace(o, pooled=None if o.pooled is None else vectors.apply(o.pooled),
+                                    vectors=None if o.vectors is None else vectors.quantize(o.vectors))
+                for o in out]
 
     def pooled_size(self, d_model: int) -> tuple[int, int]:
         """The pooled vector's (values, bytes per value) in the response."""
@@ -248,21 +263,26 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
     output_dtype = _float(ask.dtype, names.dtype)
     attention_dtype = _float(ask.attention_dtype, names.attention_dtype)
     long = _long_inputs(ask, spec, names)
-    texts = _tokenize(ask, spec, config, long, names)
+    mode = _multi_vector(ask, spec, long, names)
+    texts = _tokenize(ask, spec, config, long, names, mode)
     pooling, normalize = _pooling(ask, spec, names)
+    if mode and ask.quantization in SCALAR:
+        raise InvalidInput(names.quantization, f"{ask.quantization} needs calibration ranges of the pooled vector; "
+                           "token vectors take binary or ubinary")
     vectors = plan_vectors(dimensions=ask.dimensions, quantization=ask.quantization, ranges=ask.quantization_ranges,
                            pooled=pooling != POOL_NONE, normalize=normalize, d_model=spec.d_model,
-                           model_ranges=spec.quantization_ranges, fields=names.vector_fields())
+                           model_ranges=spec.quantization_ranges, fields=names.vector_fields(),
+                           token_vectors=bool(mode))
     if vectors is not None and vectors.cut:
         normalize = False  # normalised after the cut, over the values kept (service/vectors.py)
     if ask.heads not in HEADS:
         raise InvalidInput(names.heads, f"must be one of {', '.join(HEADS)}; got {shown(ask.heads)}")
     layers = _attention_layers(ask, spec, config, names)
     head = _sparse(ask, spec, long, names)
-    if not ask.return_hidden and pooling == POOL_NONE and not layers and not head:
+    if not ask.return_hidden and pooling == POOL_NONE and not layers and not head and not mode:
         raise InvalidInput(names.output, "nothing to return: hidden states off, no pooling, no attention")
 
-    text_window = spec.tokenizer.settings.max_tokens if texts and spec.tokenizer is not None else 0
+    text_window = _text_window(spec, mode) if texts else 0
     lengths = [len(enc.ids) if enc is not None else len(item) for enc, item in zip(texts or [None] * len(inputs),
                                                                                     inputs, strict=True)]
     limits = [text_window if texts and texts[i] is not None else spec.max_length for i in range(len(inputs))]
@@ -279,7 +299,9 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
             token_ids, embeddings = _array(i, item, spec, long.mode, names)
         job = Job(token_ids=token_ids, embeddings=embeddings, causal=ask.causal, attn_layers=layers,
                   heads_mean=ask.heads == "mean", pooling=pooling, return_hidden=ask.return_hidden,
-                  normalize=normalize, head=head)
+                  normalize=normalize, head=head, vectors=bool(mode),
+                  vector_rows=encoded.vector_rows if mode and encoded is not None else None,
+                  attend=encoded.attend if mode and encoded is not None else 0)
         if lengths[i] > limits[i]:
             windows.append((i, limits[i]))
         jobs.append(job)
@@ -302,6 +324,7 @@ def _kind(item: np.ndarray | str | tuple[str, str]) -> str:
 
 
 HEAD_TASKS = ("classify", "rerank")
+MULTI_VECTOR_MODES = ("query", "document")
 
 
 def _side(ask: Ask, spec: ModelSpec) -> str:
@@ -320,7 +343,13 @@ def check_task(task: str, spec: ModelSpec, field: str) -> None:
 
 def plan_head(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, response_size: ResponseSize) -> Plan:
     """A head task's call (classify, rerank): texts or pairs tokenized (pairs as the HF tokenizer pairs them),
-    each one sequence for the batcher, limits counted per sequence (a rerank's query once per pair)."""
+    each one sequence for the batcher, limits counted per sequence (a rerank's query once per pair). A rerank
+    on a late-interaction model without a cross-encoder head is `plan_late_rerank`'s."""
+    if ask.task == "rerank" and "rerank" not in spec.tasks and spec.vector_dim:
+        return plan_late_rerank(ask, spec, config, names, response_size)
+    if ask.scoring or ask.weights is not None:
+        raise InvalidInput(names.scoring if ask.scoring else names.weights,
+                           "applies to a late-interaction model's rerank (ColBERT, BGE-M3)")
     check_task(ask.task, spec, names.task)
     if ask.task not in HEAD_TASKS:
         raise TaskUnavailable(names.task, f"{shown(ask.task)} is not a head task ({', '.join(HEAD_TASKS)})")
@@ -373,6 +402,58 @@ def plan_head(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, re
     top_n = ask.top_n if ask.top_n is not None else len(jobs)
     fitted = Plan(ask.request_id, jobs, "float32", attention_dtype, tuple(encoded), ask.return_tokens,
                   task=ask.task, top_n=top_n, raw_scores=ask.raw_scores)
+    _check_sizes(fitted, spec, config, names, response_size)
+    return fitted
+
+
+M3_DEFAULT_WEIGHTS = (0.4, 0.2, 0.4)  # dense, sparse, colbert: FlagEmbedding's example weights_for_different_modes
+
+
+def plan_late_rerank(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names,
+                     response_size: ResponseSize) -> Plan:
+    """A rerank on a late-interaction model: the query encoded as a query, each text as a document (one sequence
+    each, the query last), scored after the forward by `scoring` (service/tasks.py `late_scores`): "" is MaxSim
+    over the token vectors; BGE-M3 (a lexical sparse head) also takes its compute_score modes."""
+    if not ask.query:
+        raise InvalidInput(names.query, "must not be empty")
+    texts = list(ask.inputs)
+    check_count(len(texts), config, names.sequences, "texts")
+    if ask.top_n is not None and not 1 <= ask.top_n <= len(texts):
+        raise InvalidInput(names.top_n, f"must be 1..{len(texts)} (the number of texts), or unset; got {ask.top_n}")
+    for i, item in enumerate(texts):
+        if not isinstance(item, str):
+            raise InvalidInput(names.of(i, "text"), "must be a text")
+    if ask.attention is not None:
+        raise InvalidInput(names.return_attention, "attention weights are not available for a late-interaction "
+                           "rerank (the query and each text are encoded apart)")
+    if ask.long_inputs not in (None, ERROR, TRUNCATE):
+        raise InvalidInput(names.long_inputs, f"must be error or truncate for rerank; got {shown(ask.long_inputs)}")
+    lexical = spec.sparse_kind == "lexical"
+    scoring = ask.scoring or ("colbert" if lexical else "")
+    if scoring and scoring not in M3_MODES or scoring != "colbert" and scoring and not lexical:
+        modes = ", ".join(M3_MODES) if lexical else "\"\" (MaxSim)"
+        raise InvalidInput(names.scoring, f"must be one of {modes} for model {spec.name}; got {shown(scoring)}")
+    weights = tuple(float(w) for w in ask.weights) if ask.weights else M3_DEFAULT_WEIGHTS
+    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or weights[0] + weights[1] <= 0:
+        raise InvalidInput(names.weights, "must be three finite numbers >= 0 (dense, sparse, colbert), dense + "
+                           "sparse above 0")
+    # Each side cut to its mode's length, as the authors' encoders always cut them (truncate is moot).
+    field = [names.of(i, "text") for i in range(len(texts))]
+    documents = tokenize([str(t) for t in texts], spec, config, fields=field, truncate=True, mode="document",
+                         all_field=names.texts)
+    query = tokenize([ask.query], spec, config, fields=[names.query], truncate=True, mode="query",
+                     all_field=names.query)
+    dense, sparse = scoring not in ("", "colbert"), "sparse" in scoring
+    jobs = [Job(token_ids=enc.ids, embeddings=None, return_hidden=False, vectors=True, vector_rows=enc.vector_rows,
+                attend=enc.attend, pooling=POOL_CLS if dense else POOL_NONE, normalize=dense,
+                head="sparse" if sparse else "") for enc in (*documents, *query)]
+    total = sum(job.length for job in jobs)
+    if total > config.max_tokens_per_call:
+        raise InvalidInput(names.sequences, f"{total} tokens in all (the query's included); at most "
+                           f"{config.max_tokens_per_call} per call")
+    w = (weights[0], weights[1], weights[2])
+    fitted = Plan(ask.request_id, jobs, "float32", "float32", (*documents, *query), ask.return_tokens, task="rerank",
+                  top_n=ask.top_n if ask.top_n is not None else len(texts), late=(scoring, w))
     _check_sizes(fitted, spec, config, names, response_size)
     return fitted
 
@@ -454,6 +535,30 @@ def _sparse(ask: Ask, spec: ModelSpec, long: LongInputs, names: Names) -> str:
     return "sparse"
 
 
+def _text_window(spec: ModelSpec, mode: str = "") -> int:
+    """The tokens a text may hold: the tokenizer's limit, or a late-interaction mode's length."""
+    assert spec.tokenizer is not None
+    multi = spec.tokenizer.settings.multi_vector
+    return multi.length(mode) if mode and multi is not None else spec.tokenizer.settings.max_tokens
+
+
+def _multi_vector(ask: Ask, spec: ModelSpec, long: LongInputs, names: Names) -> str:
+    """The call's token-vector mode ("query" | "document"), checked; "" when it asks for none."""
+    if ask.vectors is None:
+        return ""
+    if ask.vectors not in MULTI_VECTOR_MODES:
+        raise InvalidInput(names.vectors, f"must be one of {', '.join(MULTI_VECTOR_MODES)}; got {shown(ask.vectors)}")
+    if not spec.vector_dim or spec.tokenizer is None or spec.tokenizer.settings.multi_vector is None:
+        raise TaskUnavailable(names.vectors, f"model {spec.name} has no token vectors (a late-interaction head: "
+                              "ColBERT, BGE-M3; docs/tasks.md)")
+    if long.mode == CHUNK:
+        raise InvalidInput(names.vectors, "are not available with chunked long inputs; truncate them instead")
+    for i, item in enumerate(ask.inputs):
+        if not isinstance(item, str):
+            raise InvalidInput(names.of(i, _kind(item)), "token vectors are encoded from text; send text")
+    return ask.vectors
+
+
 def _float(dtype: str, field: str) -> str:
     if dtype not in ITEMSIZE:
         raise InvalidInput(field, f"must be FLOAT32, FLOAT16 or BFLOAT16; got {shown(dtype)}")
@@ -493,8 +598,8 @@ def _long_inputs(ask: Ask, spec: ModelSpec, names: Names) -> LongInputs:
                   stride_field=names.chunk_stride, windows=windows)
 
 
-def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs,
-              names: Names) -> tuple[Encoded | None, ...]:
+def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs, names: Names,
+              mode: str = "") -> tuple[Encoded | None, ...]:
     """The call's texts tokenized, per sequence (None where a sequence is not text); () without text."""
     where = [i for i, item in enumerate(ask.inputs) if isinstance(item, str)]
     if not where:
@@ -502,10 +607,11 @@ def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs
             raise InvalidInput(names.prompt_name, "applies to text; the call sends none")
         return ()
     texts = [ask.inputs[i] for i in where]
+    # A late-interaction encoding cuts to its mode's length, as its authors' encoders always do.
     encoded = tokenize([t for t in texts if isinstance(t, str)], spec, config,
-                       fields=[names.of(i, "text") for i in where], truncate=long.mode == TRUNCATE,
+                       fields=[names.of(i, "text") for i in where], truncate=long.mode == TRUNCATE or bool(mode),
                        side=ask.truncation_side, keep_long=long.mode == CHUNK, prompt_name=ask.prompt_name,
-                       all_field=names.texts, prompt_field=names.prompt_name)
+                       all_field=names.texts, prompt_field=names.prompt_name, mode=mode)
     out: list[Encoded | None] = [None] * len(ask.inputs)
     for i, enc in zip(where, encoded, strict=True):
         out[i] = enc
@@ -515,7 +621,7 @@ def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs
 def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: ServiceConfig, *,
              fields: Sequence[str], truncate: bool, side: str | None = None, prompt_name: str = "",
              all_field: str = "sequences", prompt_field: str = "output.prompt_name", keep_long: bool = False,
-             counted: str = "", hint: str = "shorten it, or set truncate to cut it (or chunk it)",
+             counted: str = "", hint: str = "shorten it, or set truncate to cut it (or chunk it)", mode: str = "",
              specials: bool = True) -> list[Encoded]:
     """`texts` (each a text, or a pair of texts as the model's tokenizer pairs them) -> token ids with the
     model's tokenizer, every limit checked: the characters of the call before tokenizing (`counted` says
@@ -539,7 +645,7 @@ def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: Se
         raise InvalidInput(prompt_field, f"unknown prompt; the model has {known}") from None
     singles = [i for i, t in enumerate(texts) if isinstance(t, str)]
     if len(singles) == len(texts):  # the common call
-        encoded = tokenizer.encode([str(t) for t in texts], truncate=truncate, prompt=prompt, side=side,
+        encoded = tokenizer.encode([str(t) for t in texts], truncate=truncate, prompt=prompt, side=side, mode=mode,
                                    specials=specials)
     else:
         doubles = [i for i, t in enumerate(texts) if isinstance(t, tuple)]
@@ -549,7 +655,7 @@ def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: Se
         found.update(zip(doubles, tokenizer.encode_pairs([texts[i] for i in doubles],  # type: ignore[misc]
                                                          truncate=truncate, side=side), strict=True))
         encoded = [found[i] for i in range(len(texts))]
-    limit = tokenizer.settings.max_tokens
+    limit = _text_window(spec, mode)
     for field, enc in zip(fields, encoded, strict=True):
         if len(enc.ids) > limit and not keep_long:
             raise InvalidInput(field, f"{enc.full_length} tokens (special tokens included), over the model's "

@@ -25,7 +25,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -111,10 +111,13 @@ class Lifecycle:
         if self.health_grpc is not None:
             await self.health_grpc.start()
 
-    async def serving(self, ready: dict[str, Any]) -> None:
-        """Readiness SERVING (unless a drain began meanwhile) and the ready file with `ready` in it."""
+    async def serving(self, ready: dict[str, Any], models: Sequence[str] = ()) -> None:
+        """Readiness SERVING (unless a drain began meanwhile), the service's and each model name's in `models`
+        (grpc.health with a model's name as the service name), and the ready file with `ready` in it."""
         if self.draining:
             return
+        for name in models:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         self.metrics.ready.set(1)
         if self.config.ready_file:

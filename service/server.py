@@ -18,7 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Mapping
+from typing import Any
 
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import HealthServicer
 from prometheus_client import CollectorRegistry
 
 from service.batching import Batcher
@@ -29,6 +33,7 @@ from service.doors.grpc_server import GrpcFront
 from service.doors.http.server import HttpDoor, HttpFront
 from service.doors.ports import port_error
 from service.engine import Engine
+from service.errors import FailedPrecondition, InvalidInput, NotFound, shown
 from service.fault_hooks import FaultHooks
 from service.jobs import Job
 from service.metrics import Metrics
@@ -43,7 +48,6 @@ class Server:
     def __init__(self, config: ServiceConfig, registry: CollectorRegistry) -> None:
         self.config = config
         self.metrics = Metrics(registry)
-        self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.serving = Serving()
         self.lifecycle = Lifecycle(config, self.metrics, registry)
         self.health = self.lifecycle.health
@@ -91,16 +95,62 @@ class Server:
         await asyncio.shield(self._startup)
 
     async def _load_and_warm(self) -> None:
-        batcher, spec = await self.engine.load()
-        self.serving.add(Model(spec, batcher, self.config.model_aliases))
-        await self.lifecycle.serving({"port": self.port, "http_port": self.http_port})
-        log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, self.config.host, self.port,
-                 spec.device, spec.precision)
+        await self.engine.load()
+        for name, loaded in self.engine.models.items():
+            self.serving.add(Model(loaded.spec, loaded.admission, loaded.aliases, loaded.config),
+                             default=name == self.engine.default)
+        if self.config.model_control == "explicit":
+            self.serving.repository = EngineRepository(self.engine, self.serving, self.health, self.config)
+        await self.lifecycle.serving({"port": self.port, "http_port": self.http_port},
+                                     [n for model in self.serving.models.values() for n in model.names])
+        for spec in (m.spec for m in self.serving.models.values()):
+            log.info("serving %s v%s on %s:%d (%s, %s)", spec.name, spec.version, self.config.host, self.port,
+                     spec.device, spec.precision)
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain and stop (service/process.py `Lifecycle.drain`). `grace` defaults to `drain_grace_s`;
         0 stops at once."""
         await self.lifecycle.drain(grace, self._front, self.engine, self._startup)
+
+
+class EngineRepository:
+    """Run-time load and unload (service/doors/calls.py `Repository`, `--model-control explicit`) over the engine,
+    keeping the doors' registry and the per-model readiness (grpc.health, by each of a model's names) in step:
+    a model is served once warm; one being unloaded leaves the registry first (its names are NOT_FOUND from then
+    on), its accepted calls are answered, then its memory goes back."""
+
+    def __init__(self, engine: Engine, serving: Serving, health: HealthServicer, config: ServiceConfig) -> None:
+        self._engine = engine
+        self._serving = serving
+        self._health = health
+        self._configured = {e.name: e for e in config.model_entries} if config.models else {}
+
+    async def load(self, name: str, path: str, settings: Mapping[str, Any]) -> Model:
+        configured = self._configured.get(name)
+        if not path and configured is None:
+            raise InvalidInput("parameters.path", f"required: model {name!r} was not configured at start-up "
+                               "(a bundle or a Hugging Face folder on the server)")
+        if configured is not None and not path:
+            path, settings = configured.path, {**dict(configured.settings), "aliases": list(configured.aliases),
+                                               **settings}
+        loaded = await self._engine.load_model(name, path, settings)
+        model = Model(loaded.spec, loaded.admission, loaded.aliases, loaded.config)
+        self._serving.add(model)
+        for n in model.names:
+            await self._health.set(n, health_pb2.HealthCheckResponse.SERVING)
+        return model
+
+    async def unload(self, name: str, grace: float) -> None:
+        model = self._serving.find(name)
+        if model is None or name not in model.names:
+            raise NotFound(f"model {shown(name)} is not served here; this service serves {self._serving.names()}")
+        if model.spec.name == self._serving.default:
+            raise FailedPrecondition(f"model {model.spec.name!r} is the default model (calls that name no model use "
+                                     "it); it is not unloaded at run time")
+        self._serving.remove(model.spec.name)
+        for n in model.names:
+            await self._health.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._engine.unload_model(model.spec.name, grace)
 
 
 def log_doors(config: ServiceConfig, doors: Doors, health_port: int) -> None:

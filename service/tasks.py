@@ -26,6 +26,7 @@ Scores are computed in float64 and returned as Python floats; `ranked` orders th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -112,3 +113,16 @@ def m3_scores(query: tuple[np.ndarray, np.ndarray, np.ndarray], document: tuple[
     return {"dense": dense, "sparse": sparse, "colbert": colbert,
             "sparse+dense": (w[1] * sparse + w[0] * dense) / (w[1] + w[0]),
             "colbert+sparse+dense": (w[2] * colbert + w[1] * sparse + w[0] * dense) / sum(w)}
+
+
+def late_scores(outputs: Sequence[Any], scoring: str, weights: Sequence[float], reduce: str) -> list[float]:
+    """A late-interaction rerank's scores, one per text: `outputs` are the texts' (encoded as documents) and,
+    last, the query's (service/plan.py `plan_late_rerank`), each with its token vectors (and for BGE-M3's other
+    modes its dense and sparse vectors); `scoring` "" is MaxSim with the model's `reduce`, else one of M3_MODES."""
+    *documents, query = outputs
+    if not scoring:
+        return maxsim_scores(query.vectors, [d.vectors for d in documents], reduce)
+    q = (query.pooled, query.scores, query.vectors)
+    if scoring == "colbert":  # BGE-M3's colbert score alone: MaxSim averaged over the query's vectors
+        return [maxsim(query.vectors, d.vectors, "mean") for d in documents]
+    return [m3_scores(q, (d.pooled, d.scores, d.vectors), weights)[scoring] for d in documents]

@@ -55,6 +55,15 @@ class Vectors:
         """Values in the vector sent: the dimensions, or their bytes of packed bits."""
         return (self.dimensions + 7) // 8 if self.quantization in ("binary", "ubinary") else self.dimensions
 
+    def quantize(self, vectors: np.ndarray) -> np.ndarray:
+        """Token vectors (float32 [n, dim]) as the call asked: packed bits each (binary, ubinary), else as they
+        are (the cut and the scalar kinds are the pooled vector's; the plan refuses them for token vectors)."""
+        q = self.quantization
+        if q not in ("binary", "ubinary"):
+            return vectors
+        bits: np.ndarray = np.packbits(vectors > 0, axis=-1)  # (n, ceil(dim / 8))
+        return bits if q == "ubinary" else (bits - 128).astype(np.int8)
+
     def apply(self, pooled: np.ndarray) -> np.ndarray:
         """One pooled vector (float32 [d_model]) as the call asked for it."""
         v = pooled
@@ -74,9 +83,11 @@ class Vectors:
 
 
 def plan_vectors(*, dimensions: int | None, quantization: str, ranges: AnyRanges | None, pooled: bool, normalize: bool,
-                 d_model: int, model_ranges: Ranges | None, fields: VectorFields) -> Vectors | None:
+                 d_model: int, model_ranges: Ranges | None, fields: VectorFields,
+                 token_vectors: bool = False) -> Vectors | None:
     """The call's `Vectors`, every option checked (INVALID_ARGUMENT naming `fields`); None when it asks
-    for the pooled vector as computed (the common call)."""
+    for the pooled vector as computed (the common call). `token_vectors`: the call asks for a late-interaction
+    model's token vectors too, which binary and ubinary quantize as well."""
     if quantization not in QUANTIZATIONS:
         raise InvalidInput(fields.quantization, f"must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if dimensions is not None:
@@ -84,7 +95,7 @@ def plan_vectors(*, dimensions: int | None, quantization: str, ranges: AnyRanges
             raise InvalidInput(fields.dimensions, f"must be in 1..{d_model} (the model's width); got {dimensions}")
         if not pooled:
             raise InvalidInput(fields.dimensions, "cuts the pooled vector: ask for pooling")
-    if quantization != "none" and not pooled:
+    if quantization != "none" and not pooled and not (token_vectors and quantization not in SCALAR):
         raise InvalidInput(fields.quantization, "quantizes the pooled vector: ask for pooling")
     if ranges is not None and quantization not in SCALAR:
         raise InvalidInput(fields.ranges, f"calibration ranges apply to int8 and uint8 only; the call asks "

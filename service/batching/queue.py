@@ -35,6 +35,10 @@ class BatchQueue(Generic[P]):
     def __bool__(self) -> bool:
         return bool(self._queues)
 
+    def oldest(self) -> float:
+        """When the item that has waited longest was admitted. Call only when the queue is not empty."""
+        return min(queue[0].enqueued_at for queue in self._queues.values())
+
     def admit(self, items: Sequence[Item[P]]) -> None:
         """Queue all of `items` (one call's), or none: `Overloaded` past either bound."""
         tokens = sum(item.request.length for item in items)

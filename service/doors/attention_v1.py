@@ -37,23 +37,23 @@ class AttentionServicer:
     # -- one call each: decode -> run -> encode ----------------------------------------------------
 
     async def _encode(self, request: pb.EncodeRequest, seconds: float) -> pb.EncodeResponse:
-        model = self._calls.model()
+        model = self._calls.model(request.model)
         ask = wire.encode_ask(request, model.spec, self._config)
         return wire.encode_response(await self._calls.run(model, ask, wire.NAMES, wire.response_bytes, seconds))
 
     async def _classify(self, request: pb.ClassifyRequest, seconds: float) -> pb.ClassifyResponse:
-        model = self._calls.model()
+        model = self._calls.model(request.model)
         ask, names = wire.classify_ask(request, self._config)
         return wire.classify_response(await self._calls.run(model, ask, names, head_response_bytes, seconds))
 
     async def _rerank(self, request: pb.RerankRequest, seconds: float) -> pb.RerankResponse:
-        model = self._calls.model()
+        model = self._calls.model(request.model)
         ask = wire.rerank_ask(request, self._config)
         ran = await self._calls.run(model, ask, wire.RERANK, head_response_bytes, seconds)
         return wire.rerank_response(ran, request.texts, request.return_text)
 
     async def _tokenize(self, request: pb.TokenizeRequest, seconds: float) -> pb.TokenizeResponse:
-        encoded = await self._calls.tokenize(self._calls.model(), request.texts, field="texts",
+        encoded = await self._calls.tokenize(self._calls.model(request.model), request.texts, field="texts",
                                              truncate=request.truncate, prompt_name=request.prompt_name)
         response = pb.TokenizeResponse()
         for enc in encoded:
@@ -62,7 +62,14 @@ class AttentionServicer:
         return response
 
     async def _model_info(self, request: pb.GetModelInfoRequest, seconds: float) -> pb.ModelInfo:
-        return wire.model_info(self._calls.model().spec, self._config)
+        model = self._calls.model(request.model)
+        return wire.model_info(model.spec, self._config, model.aliases)
+
+    async def _list_models(self, request: pb.ListModelsRequest, seconds: float) -> pb.ListModelsResponse:
+        serving = self._calls.serving
+        self._calls.model()  # UNAVAILABLE while loading or draining
+        models = sorted(serving.models.values(), key=lambda m: m.spec.name != serving.default)
+        return pb.ListModelsResponse(models=[wire.model_info(m.spec, self._config, m.aliases) for m in models])
 
     # -- handlers (raw bytes in, raw bytes out) --------------------------------------------------
 
@@ -106,6 +113,7 @@ class AttentionServicer:
             "Tokenize": self._unary("Tokenize", pb.TokenizeRequest, self._tokenize),
             "Classify": self._unary("Classify", pb.ClassifyRequest, self._classify),
             "Rerank": self._unary("Rerank", pb.RerankRequest, self._rerank),
+            "ListModels": self._unary("ListModels", pb.ListModelsRequest, self._list_models),
         })
 
 

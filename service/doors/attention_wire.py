@@ -34,6 +34,7 @@ _QUANTIZATION = {pb.QUANTIZATION_NONE: "none", pb.QUANTIZATION_INT8: "int8", pb.
 _QUANTIZED_DTYPE = {"int8": pb.DTYPE_INT8, "uint8": pb.DTYPE_UINT8}
 _LONG = {pb.LONG_INPUTS_UNSPECIFIED: None, pb.LONG_INPUTS_ERROR: "error", pb.LONG_INPUTS_TRUNCATE: "truncate",
          pb.LONG_INPUTS_CHUNK: "chunk"}
+_VECTORS = {pb.MULTI_VECTOR_NONE: None, pb.MULTI_VECTOR_QUERY: "query", pb.MULTI_VECTOR_DOCUMENT: "document"}
 
 
 # -- requests -> Ask -----------------------------------------------------------------------------
@@ -46,7 +47,8 @@ def encode_ask(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig
     for value, table, name in ((out.dtype, _DTYPE, "output.dtype"), (att.dtype, _DTYPE, "attention.dtype"),
                                (out.pooling, _POOLING, "output.pooling"), (att.heads, _HEADS, "attention.heads"),
                                (request.long_inputs, _LONG, "long_inputs"),
-                               (out.quantization, _QUANTIZATION, "output.quantization")):
+                               (out.quantization, _QUANTIZATION, "output.quantization"),
+                               (out.vectors, _VECTORS, "output.vectors")):
         if value not in table:
             shown = dtype_name(value) if table is _DTYPE else str(value)
             raise InvalidInput(name, f"unknown value {shown}" if table is not _DTYPE else
@@ -66,6 +68,7 @@ def encode_ask(request: pb.EncodeRequest, spec: ModelSpec, config: ServiceConfig
         quantization_ranges=(tuple(out.quantization_ranges.min), tuple(out.quantization_ranges.max))
         if out.HasField("quantization_ranges") else None,
         sparse=(out.sparse.top_k, out.sparse.threshold) if out.HasField("sparse") else None,
+        vectors=_VECTORS[out.vectors],
     )
 
 
@@ -122,7 +125,8 @@ def rerank_ask(request: pb.RerankRequest, config: ServiceConfig) -> Ask:
     return Ask(inputs=list(request.texts), request_id=request.request_id, return_hidden=False, task="rerank",
                query=request.query, top_n=request.top_n if request.HasField("top_n") else None,
                truncate=request.truncate, attention=attention, heads=heads, attention_dtype=attention_dtype,
-               raw_scores=request.raw_scores)
+               raw_scores=request.raw_scores, scoring=request.scoring,
+               weights=tuple(request.weights) if request.weights else None)
 
 
 # -- Ran -> responses ----------------------------------------------------------------------------
@@ -158,6 +162,9 @@ def encode_response(ran: Ran) -> pb.EncodeResponse:
             fill_tensor(seq.pooled, out.pooled, pooled_dtype)
         if out.attention is not None:
             fill_tensor(seq.attention, out.attention, attention_dtype)
+        if out.vectors is not None:
+            fill_tensor(seq.vectors, out.vectors, output_dtype if out.vectors.dtype.kind == "f"
+                        else pooled_dtype)  # packed bits: the pooled vector's quantized dtype
         if plan.sparse is not None and out.scores is not None:
             indices, values = sparse_entries(out.scores, *plan.sparse)
             seq.sparse.indices.extend(indices.tolist())
@@ -200,7 +207,7 @@ def rerank_response(ran: Ran, texts: Sequence[str], return_text: bool) -> pb.Rer
     return response
 
 
-def model_info(spec: ModelSpec, c: ServiceConfig) -> pb.ModelInfo:
+def model_info(spec: ModelSpec, c: ServiceConfig, aliases: Sequence[str] = ()) -> pb.ModelInfo:
     info = pb.ModelInfo(
         name=spec.name, version=spec.version, checksum=spec.checksum, d_model=spec.d_model,
         n_heads=spec.n_heads, n_layers=spec.n_layers, vocab_size=spec.vocab_size, max_length=spec.max_length,
@@ -213,7 +220,8 @@ def model_info(spec: ModelSpec, c: ServiceConfig) -> pb.ModelInfo:
                                     compared_tokens_per_second=spec.compared_curve),
         quantization_ranges=None if spec.quantization_ranges is None else pb.QuantizationRanges(
             min=spec.quantization_ranges[0], max=spec.quantization_ranges[1]),
-        tasks=spec.tasks, labels=spec.labels, backend=spec.backend,
+        tasks=spec.tasks, labels=spec.labels, backend=spec.backend, vector_dim=spec.vector_dim,
+        sparse_kind=spec.sparse_kind if "sparse" in spec.tasks else "", aliases=aliases,
         limits=pb.Limits(
             max_sequences_per_call=c.max_sequences_per_call, max_tokens_per_call=c.max_tokens_per_call,
             max_message_bytes=c.max_message_bytes, max_attention_bytes=c.max_attention_bytes,
@@ -240,9 +248,12 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
     D = spec.d_model
     pooled_values, pooled_size = plan.pooled_size(D)
     total = field(len(plan.request_id.encode()))
-    for job in plan.sequences:
+    for i, job in enumerate(plan.sequences):
         T = job.length
-        body = 2  # nonfinite = true
+        body = 2 + 1 + varint(T) + 2  # nonfinite = true, token_count, truncated = true
+        text = plan.texts[i] if plan.texts else None
+        if text is not None and plan.return_tokens:  # token_ids [T] int64, and each token's string
+            body += tensor_field((T,), 8) + sum(field(len(token.encode())) for token in text.tokens)
         if job.return_hidden:
             body += tensor_field((T, D), out_size)
         if job.pooling:
@@ -250,6 +261,11 @@ def response_bytes(plan: Plan, spec: ModelSpec) -> Sizes:
         if job.attn_layers:
             heads = 1 if job.heads_mean else spec.n_heads
             body += tensor_field((len(job.attn_layers), heads, T, T), att_size)
+        if job.vectors:  # [rows, vector_dim], or its packed bits
+            rows = len(job.vector_rows) if job.vector_rows is not None else T
+            packed = plan.vectors is not None and plan.vectors.quantization in ("binary", "ubinary")
+            body += tensor_field((rows, (spec.vector_dim + 7) // 8 if packed else spec.vector_dim),
+                                 1 if packed else out_size)
         if plan.sparse is not None:  # packed int32 indices (at most 5 bytes each) and float values
             entries = min(plan.sparse[0] or spec.vocab_size, spec.vocab_size)
             body += field(field(5 * entries) + field(4 * entries))

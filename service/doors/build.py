@@ -1,7 +1,7 @@
 """Every door of a serving process, assembled over one shared call layer: the gRPC server with its doors
-(attention.v1, KServe v2, TEI's tei.v1) and, when an HTTP port is configured, the HTTP door with its dialects' routes
-(OpenAI, TEI, Cohere-style rerank, KServe v2 REST, attention.v1 as JSON). The one place that knows the list of
-doors: a new door is one more entry here, its names (RPCs, routes) registered by the door itself.
+(attention.v1, KServe v2, TEI's tei.v1) and, when an HTTP port is configured, the HTTP door with its dialects'
+routes (OpenAI, TEI, Cohere-style rerank, KServe v2 REST, attention.v1 as JSON, vLLM's pooling). The one place
+that knows the list of doors: a new door is one more entry here, its names (RPCs, routes) registered by the door itself.
 
 Both serving modes build their doors here: one process (service/server.py) and each edge process
 (service/multiproc/edge_worker.py), which is why nothing here imports the model stack (torch).
@@ -19,6 +19,7 @@ from service.doors.calls import Calls
 from service.doors.grpc_server import GrpcServer, build_grpc_server
 from service.doors.http.encode import EncodeJson
 from service.doors.http.openai import OpenAI
+from service.doors.http.pooling import Pooling
 from service.doors.http.rerank import Rerank
 from service.doors.http.server import HttpDoor
 from service.doors.http.tei import TEI
@@ -46,6 +47,6 @@ def build_doors(config: ServiceConfig, calls: Calls, health_servicer: health.aio
     http = None
     if config.http_port >= 0:
         dialects = [OpenAI(calls).routes(), TEI(calls).routes(), Rerank(calls).routes(), KServeRest(kserve).routes(),
-                    EncodeJson(calls).routes()]
+                    EncodeJson(calls).routes(), Pooling(calls).routes()]
         http = HttpDoor(config, calls, dialects, reuse_port=reuse_port)
     return Doors(grpc, http)

@@ -21,9 +21,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -45,7 +46,7 @@ from service.jobs import Job, ModelSpec, Output
 from service.metrics import Metrics
 from service.output_range import check_representable
 from service.plan import INLINE_CHARS, Ask, Names, Plan, ResponseSize, check_count, plan_call, tokenize
-from service.tasks import label_scores, ranked, rerank_scores
+from service.tasks import label_scores, late_scores, ranked, rerank_scores
 
 if TYPE_CHECKING:
     from model.text import Encoded
@@ -64,15 +65,30 @@ class Admission(Protocol):
 @dataclass(frozen=True)
 class Model:
     """One served model as the doors reach it: what it is (its `spec.name` the name it is served as), the
-    other names it answers to, and where its calls are admitted."""
+    other names it answers to, where its calls are admitted, and the settings its calls are held to (its
+    per-call limits; None: the service's)."""
 
     spec: ModelSpec
     admission: Admission = field(repr=False)
     aliases: tuple[str, ...] = ()
+    config: ServiceConfig | None = field(default=None, repr=False)
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.spec.name, *self.aliases)
+
+
+class Repository(Protocol):
+    """Loading and unloading models while serving (KServe's repository extension), where the process allows it
+    (service/server.py, `model_control` explicit): the served models' registry follows."""
+
+    async def load(self, name: str, path: str, settings: Mapping[str, Any]) -> Model: ...
+    async def unload(self, name: str, grace: float) -> None: ...
+
+
+# The served name of the model the call this task handles runs on ("" until a door has found it): what the
+# request metrics of a call are labelled with (service/doors/grpc_metrics.py, the HTTP door's route wrapper).
+CALL_MODEL: ContextVar[str] = ContextVar("call_model", default="")
 
 
 @dataclass
@@ -83,6 +99,7 @@ class Serving:
 
     models: dict[str, Model] = field(default_factory=dict)  # by served name
     default: str = ""
+    repository: Repository | None = None  # run-time load and unload; None: off (model_control none) or elsewhere
     stopping: bool = False  # a shutdown has begun: not ready, though calls are served until `draining`
     draining: bool = False  # from the end of the drain delay: new calls are refused
     _names: dict[str, str] = field(default_factory=dict, repr=False)  # every name and alias -> served name
@@ -96,6 +113,13 @@ class Serving:
         self._names.update(dict.fromkeys(model.names, model.spec.name))
         if default or not self.default:
             self.default = model.spec.name
+
+    def remove(self, name: str) -> Model:
+        """Stop serving `name` (a served name): calls that name it are NOT_FOUND from now on."""
+        model = self.models.pop(name)
+        for n in model.names:
+            self._names.pop(n, None)
+        return model
 
     @property
     def ready(self) -> bool:
@@ -128,6 +152,7 @@ class Serving:
         model = self.find(name)
         if model is None:
             raise NotFound(f"model {shown(name)} is not served here; this service serves {self.names()}")
+        CALL_MODEL.set(model.spec.name)
         return model
 
     def require_serving(self) -> None:
@@ -206,7 +231,7 @@ class Calls:
         spec = model.spec
         started = time.perf_counter()
         try:
-            plan = await plan_call(ask, spec, self.config, names, response_size)
+            plan = await plan_call(ask, spec, model.config or self.config, names, response_size)
         except NonFiniteInput:
             self.metrics.nonfinite_inputs.inc()
             raise
@@ -219,6 +244,9 @@ class Calls:
             labels = [label_scores(x, spec.problem_type, plan.raw_scores) for x in ran.logits]
             return dataclasses.replace(ran, labels=labels)
         if plan.task == "rerank":
+            if plan.late is not None:  # a late-interaction model: token vectors, scored as its authors score them
+                scores = late_scores(outputs, *plan.late, spec.colbert_reduce)
+                return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
             scores = rerank_scores(ran.logits, plan.raw_scores)
             return dataclasses.replace(ran, scores=scores, ranking=ranked(scores, plan.top_n))
         return ran
@@ -229,10 +257,11 @@ class Calls:
         """`texts` tokenized as an encoding call would tokenize them (service/plan.py `tokenize`: limits,
         prompt, truncation on `side`, errors naming `field[i]`; `specials` False: without the special
         tokens), in a worker thread when the call is big."""
-        check_count(len(texts), self.config, field, "texts")
+        config = model.config or self.config
+        check_count(len(texts), config, field, "texts")
 
         def work() -> list[Encoded]:
-            return tokenize(texts, model.spec, self.config, fields=[f"{field}[{i}]" for i in range(len(texts))],
+            return tokenize(texts, model.spec, config, fields=[f"{field}[{i}]" for i in range(len(texts))],
                             truncate=truncate, side=side, prompt_name=prompt_name, all_field=field,
                             prompt_field=prompt_field, specials=specials)
 
@@ -262,7 +291,7 @@ class Calls:
             # All of them: a cancelled gather() has already cancelled its futures, but their items
             # may still be queued. Items that ran or are running are left alone.
             admission.cancel(items)
-        self.metrics.on_sequences(len(done))
+        self.metrics.on_sequences(len(done), model.spec.name)
         return done
 
     def failure(self, exc: BaseException, method: str) -> ServiceError:

@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from service.doors.calls import CALL_MODEL
 from service.doors.message_wait import request_streaming
 from service.doors.rpc import cancel_code
 from service.metrics import Metrics
@@ -80,7 +81,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             child.inc()
             handling.observe(seconds)
             if per_call:
-                m.observe_request(label, code, seconds)
+                m.observe_request(label, code, seconds, CALL_MODEL.get())
 
         async def observed(call: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any:
             """Await a handler that is a coroutine (unary, or streaming by `context.write()`), counted."""

@@ -26,7 +26,7 @@ from grpc_status import rpc_status
 
 from service.batching.types import DEADLINE_SLACK_S
 from service.config import ServiceConfig
-from service.doors.calls import Calls, being_cancelled
+from service.doors.calls import CALL_MODEL, Calls, being_cancelled
 from service.errors import InvalidInput, Overloaded, ServiceError, status_of
 
 MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
@@ -153,7 +153,7 @@ class Rpc:
                 raise
             error = self.calls.failure(exc, method)
             response, code = failed(error), status_of(error)
-        self.calls.metrics.observe_request(method, code, time.perf_counter() - started)
+        self.calls.metrics.observe_request(method, code, time.perf_counter() - started, CALL_MODEL.get())
         return response
 
 

@@ -59,7 +59,7 @@ async def run(directory: Path) -> int:
     if kind != frames.HELLO:
         log.error("the model process sent frame kind %d before HELLO", kind)
         return 1
-    spec, workers, tokens = frames.read_hello(body)
+    models, default, workers, tokens = frames.read_hello(body)
     config = dataclasses.replace(config, auth_tokens=tokens)  # never in the config file (issue 27, item 9)
     try:
         # Every door; the HTTP door on the HTTP port the model process holds, shared the same way (docs/http.md).
@@ -71,14 +71,15 @@ async def run(directory: Path) -> int:
     drains: asyncio.Queue[float] = asyncio.Queue()
     lost = asyncio.Event()
     client = ModelClient(reader, writer, limit, drains.put_nowait, lost.set)
-    metrics.queue_limit_tokens.set(config.max_queue_tokens)
     await lifecycle.open()
     grpc, http = doors.grpc, doors.http
     await grpc.server.start()
     if http is not None:
         await http.start()
-    serving.add(Model(spec, client, config.model_aliases))  # the served name came in the HELLO's spec
-    await lifecycle.serving({})
+    for index, served in enumerate(models):
+        serving.add(Model(served.spec, client.lane(index), served.aliases,
+                          dataclasses.replace(config, **served.settings)), default=served.spec.name == default)
+    await lifecycle.serving({}, [n for model in serving.models.values() for n in model.names])
     client.start()
     client.send(frames.message(frames.READY, {"pid": os.getpid(), "port": grpc.port}))
     log.info("serving on %s:%d (%s, %s), pid %d", config.host, grpc.port, "TLS" if grpc.tls else "plaintext",

@@ -3,10 +3,11 @@ structs and raw array bytes (JSON only for the rare, small parts: the model's de
 Nothing from the socket is unpickled.
 
     header   <IBQ   body length, kind, call id
-    HELLO    model -> edge   JSON (the ModelSpec without its tokenizer, the model workers, the text
-                             settings), then the tokenizer.json bytes
+    HELLO    model -> edge   JSON (each model's ModelSpec without its tokenizer, aliases, per-call settings and
+                             text settings; the default; the model workers), then each tokenizer.json's bytes
     READY    edge -> model   JSON {"pid"}: serving
-    SUBMIT   edge -> model   <dH deadline (time.monotonic, system-wide on Linux), jobs; then each job
+    SUBMIT   edge -> model   <dHH deadline (time.monotonic, system-wide on Linux), jobs, the model's index in
+                             HELLO's list; then each job
     CANCEL   edge -> model   the call's caller is gone: drop its queued jobs
     RESULT   model -> edge   one job's Done: <HddIIB index, queue_s, compute_s, batch size, padded length,
                              fp32 re-run; then hidden, pooled, attention, head scores, token vectors (arrays, each
@@ -34,7 +35,7 @@ from service.jobs import Job, ModelSpec, Output
 
 HEADER = struct.Struct("<IBQ")
 HELLO, READY, SUBMIT, CANCEL, RESULT, ERROR, DRAIN, BYE = range(1, 9)
-_SUBMIT = struct.Struct("<dH")
+_SUBMIT = struct.Struct("<dHH")  # deadline, jobs, the model (its index in HELLO's list)
 _JOB = struct.Struct("<BBHBI")  # flags, pooling, attention layers, head (an index of _HEADS), attend
 _HEADS = ("", "classify", "rerank", "sparse")
 _RESULT = struct.Struct("<HddIIB")
@@ -104,8 +105,8 @@ def _read_array(body: memoryview, at: int, copy: bool) -> tuple[np.ndarray | Non
 
 # -- jobs ------------------------------------------------------------------------------------------
 
-def submit(call: int, deadline: float, jobs: list[Job]) -> bytes:
-    parts = [_SUBMIT.pack(deadline, len(jobs))]
+def submit(call: int, deadline: float, jobs: list[Job], model: int = 0) -> bytes:
+    parts = [_SUBMIT.pack(deadline, len(jobs), model)]
     for job in jobs:
         flags = ((_IDS if job.token_ids is not None else 0) | (_EMBEDDINGS if job.embeddings is not None else 0)
                  | (_CAUSAL if job.causal else 0) | (_HEADS_MEAN if job.heads_mean else 0)
@@ -117,8 +118,8 @@ def submit(call: int, deadline: float, jobs: list[Job]) -> bytes:
     return frame(SUBMIT, call, *parts)
 
 
-def read_submit(body: memoryview) -> tuple[float, list[Job]]:
-    deadline, count = _SUBMIT.unpack_from(body, 0)
+def read_submit(body: memoryview) -> tuple[float, list[Job], int]:
+    deadline, count, model = _SUBMIT.unpack_from(body, 0)
     at = _SUBMIT.size
     jobs = []
     for _ in range(count):
@@ -140,7 +141,7 @@ def read_submit(body: memoryview) -> tuple[float, list[Job]]:
                         return_hidden=bool(flags & _HIDDEN), normalize=bool(flags & _NORMALIZE),
                         head=_HEADS[head], token_types=types, vectors=bool(flags & _VECTORS), vector_rows=rows,
                         attend=attend))
-    return deadline, jobs
+    return deadline, jobs, model
 
 
 # -- outcomes --------------------------------------------------------------------------------------
@@ -203,37 +204,60 @@ def read_drain(body: memoryview) -> float:
 
 # -- the model's description ------------------------------------------------------------------------
 
-def hello(spec: ModelSpec, workers: int, auth_tokens: str = "") -> bytes:
-    """`auth_tokens` (ServiceConfig.auth_tokens) travel here, over the private socket, and are never
-    written to a file."""
-    data: dict[str, Any] = {"spec": {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
-                                     if f.name != "tokenizer"}, "workers": workers, "text": None,
-                            "auth_tokens": auth_tokens}
-    tokenizer = b""
-    if spec.tokenizer is not None:
-        data["text"] = dataclasses.asdict(spec.tokenizer.settings)
-        tokenizer = spec.tokenizer.data
-    encoded = json.dumps(data).encode()
-    return frame(HELLO, 0, struct.pack("<I", len(encoded)), encoded, tokenizer)
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One model as a HELLO describes it to an edge: its spec (its tokenizer rebuilt from the bytes sent), the
+    other names it answers to and its own per-call settings (service/config.py MODEL_SETTINGS)."""
+
+    spec: ModelSpec
+    aliases: tuple[str, ...] = ()
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def read_hello(body: memoryview) -> tuple[ModelSpec, int, str]:
-    """The spec, the model workers and the bearer tokens (comma-separated) of a HELLO."""
+def hello(models: list[Served], default: str, workers: int, auth_tokens: str = "") -> bytes:
+    """Every model the model process serves (the index of each in this list is what SUBMIT names), the default
+    one's name, the model workers and the bearer tokens. `auth_tokens` (ServiceConfig.auth_tokens) travel here,
+    over the private socket, and are never written to a file."""
+    described, tokenizers = [], []
+    for model in models:
+        spec = model.spec
+        data: dict[str, Any] = {"spec": {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)
+                                         if f.name != "tokenizer"}, "text": None, "tokenizer_bytes": 0,
+                                "aliases": list(model.aliases), "settings": model.settings}
+        if spec.tokenizer is not None:
+            data["text"] = dataclasses.asdict(spec.tokenizer.settings)
+            data["tokenizer_bytes"] = len(spec.tokenizer.data)
+            tokenizers.append(spec.tokenizer.data)
+        described.append(data)
+    encoded = json.dumps({"models": described, "default": default, "workers": workers,
+                          "auth_tokens": auth_tokens}).encode()
+    return frame(HELLO, 0, struct.pack("<I", len(encoded)), encoded, *tokenizers)
+
+
+def read_hello(body: memoryview) -> tuple[list[Served], str, int, str]:
+    """The models (in the order SUBMIT indexes them), the default one's name, the model workers and the bearer
+    tokens (comma-separated) of a HELLO."""
     (length,) = struct.unpack_from("<I", body, 0)
     data = json.loads(bytes(body[4:4 + length]))
-    tokenizer = None
-    if data["text"] is not None:
-        tokenizer = TextTokenizer(bytes(body[4 + length:]), TextSettings(**data["text"]),
-                                  source="the model process's tokenizer")
-    spec = data["spec"]
-    for key in ("batch_curve", "compared_curve"):  # JSON keys are strings
-        spec[key] = {int(tokens): rate for tokens, rate in spec.get(key, {}).items()}
-    if spec.get("quantization_ranges") is not None:  # JSON made the tuples lists
-        spec["quantization_ranges"] = tuple(tuple(values) for values in spec["quantization_ranges"])
-    for key in ("tasks", "labels"):  # JSON lists
-        if key in spec:
-            spec[key] = tuple(spec[key])
-    return ModelSpec(**spec, tokenizer=tokenizer), int(data["workers"]), str(data["auth_tokens"])
+    at, models = 4 + length, []
+    for described in data["models"]:
+        tokenizer = None
+        if described["text"] is not None:
+            size = int(described["tokenizer_bytes"])
+            tokenizer = TextTokenizer(bytes(body[at:at + size]), TextSettings(**described["text"]),
+                                      source="the model process's tokenizer")
+            at += size
+        spec = described["spec"]
+        for key in ("batch_curve", "compared_curve"):  # JSON keys are strings
+            spec[key] = {int(tokens): rate for tokens, rate in spec.get(key, {}).items()}
+        if spec.get("quantization_ranges") is not None:  # JSON made the tuples lists
+            spec["quantization_ranges"] = tuple(tuple(values) for values in spec["quantization_ranges"])
+        for key in ("tasks", "labels"):  # JSON lists
+            if key in spec:
+                spec[key] = tuple(spec[key])
+        models.append(Served(ModelSpec(**spec, tokenizer=tokenizer), tuple(described["aliases"]),
+                             dict(described["settings"])))
+    return models, str(data["default"]), int(data["workers"]), str(data["auth_tokens"])
 
 
 def message(kind: int, data: dict[str, Any]) -> bytes:

@@ -52,7 +52,7 @@ from typing import IO, Any
 from prometheus_client import CollectorRegistry, multiprocess, values
 
 from service.batching import Batcher, Item, Request
-from service.config import ServiceConfig
+from service.config import MODEL_SETTINGS, ServiceConfig
 from service.doors.ports import port_error
 from service.engine import Engine
 from service.errors import ModelFailure, ServiceError
@@ -215,7 +215,6 @@ class ModelHost:
         self.port = port
         self.http_port = http_port  # the HTTP door's (docs/http.md), held like the gRPC port; -1: off
         self.metrics = Metrics(CollectorRegistry())
-        self.metrics.queue_limit_tokens.set(config.max_queue_tokens)
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
         multiprocess.MultiProcessCollector(self.totals, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
         self.lifecycle = Lifecycle(config, self.metrics, self.totals)
@@ -252,8 +251,9 @@ class ModelHost:
         self.batcher, self.spec = await self.engine.load()
         # No secret in the file: the bearer tokens go to each edge in its HELLO (_connection), so a
         # directory left behind by a killed process holds none. 0600 in a 0700 directory all the same.
+        # The models reach the edges in their HELLO, with each one's own settings: not in this file.
         edge_config = {**_fields(config), "port": self.port, "http_port": self.http_port, "ready_file": "",
-                       "auth_tokens": ""}
+                       "auth_tokens": "", "models": [], "models_file": ""}
         with os.fdopen(os.open(self.directory / CONFIG, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             json.dump(edge_config, f)
         self._unix = await asyncio.start_unix_server(self._connection, str(self.directory / SOCKET))
@@ -264,7 +264,8 @@ class ModelHost:
             return
         await self.lifecycle.serving({
             "port": self.port, "http_port": max(self.http_port, 0),
-            "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]})
+            "edge_pids": [s.proc.pid for s in self.slots if s.proc is not None]},
+            [n for model in self.engine.models.values() for n in model.names])
         spec = self.spec
         log.info("serving %s v%s on %s:%d through %d edge processes (%s, %s)", spec.name, spec.version,
                  config.host, self.port, len(self.slots), spec.device, spec.precision)
@@ -296,16 +297,23 @@ class ModelHost:
     # -- one edge's connection -------------------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        assert self.batcher is not None and self.spec is not None
-        batcher = self.batcher
-        writer.write(frames.hello(self.spec, self.engine.workers, self.config.auth_tokens))
+        # Every model, in the order SUBMIT frames index them (the engine's models do not change: run-time load
+        # and unload are for one process, service/config.py).
+        lanes = [loaded.admission for loaded in self.engine.models.values()]
+        writer.write(frames.hello([frames.Served(m.spec, m.aliases, {k: getattr(m.config, k) for k in MODEL_SETTINGS})
+                                   for m in self.engine.models.values()], self.engine.default, self.engine.workers,
+                                  self.config.auth_tokens))
+        owner: dict[int, Any] = {}  # call -> the lane its jobs went to
         calls: dict[int, list[Item[Job]]] = {}
         slot: EdgeSlot | None = None
         try:
             while True:
                 kind, call, body = await frames.read_frame(reader, self.max_frame)
                 if kind == frames.SUBMIT:
-                    deadline, jobs = frames.read_submit(body)
+                    deadline, jobs, model = frames.read_submit(body)
+                    if model >= len(lanes):
+                        raise frames.FrameError(f"model index {model}: {len(lanes)} models served")
+                    batcher = owner[call] = lanes[model]
                     try:
                         items = batcher.submit([Request(job, job.length, job.key) for job in jobs], deadline)
                     except ServiceError as exc:  # refused: Overloaded, ShuttingDown
@@ -316,7 +324,7 @@ class ModelHost:
                         item.future.add_done_callback(functools.partial(self._answer, writer, calls, call, index))
                 elif kind == frames.CANCEL:
                     if (cancelled := calls.pop(call, None)) is not None:
-                        batcher.cancel(cancelled)
+                        owner.pop(call).cancel(cancelled)
                 elif kind == frames.READY:
                     pid = frames.read_message(body)["pid"]
                     slot = next((s for s in self.slots if s.proc is not None and s.proc.pid == pid), None)
@@ -337,8 +345,8 @@ class ModelHost:
         except frames.FrameError as exc:
             log.error("bad frame from an edge: %s", exc)
         finally:
-            for items in calls.values():  # the edge is gone: so are its callers
-                batcher.cancel(items)
+            for call, items in calls.items():  # the edge is gone: so are its callers
+                owner[call].cancel(items)
             if slot is not None and slot.writer is writer:
                 slot.writer = None
             writer.close()

@@ -44,7 +44,11 @@ class ModelClient:
     def start(self) -> None:
         self._task = asyncio.create_task(self._read())
 
-    def submit(self, requests: Sequence[Request[Job]], deadline: float) -> list[Item[Job]]:
+    def lane(self, model: int) -> Lane:
+        """The admission of the model at `model` (its index in the HELLO's list), for the doors' registry."""
+        return Lane(self, model)
+
+    def submit(self, requests: Sequence[Request[Job]], deadline: float, model: int = 0) -> list[Item[Job]]:
         if self.gone:
             raise ShuttingDown("the model process is gone; retry on another replica")
         call = next(self._ids)
@@ -53,7 +57,7 @@ class ModelClient:
         self._calls[call] = items
         self._call_of[items[0]] = call
         self._unanswered[call] = len(items)
-        self._writer.write(frames.submit(call, deadline, [r.payload for r in requests]))
+        self._writer.write(frames.submit(call, deadline, [r.payload for r in requests], model))
         return items
 
     def cancel(self, items: Sequence[Item[Job]]) -> None:
@@ -120,3 +124,18 @@ class ModelClient:
         if self._unanswered[call] <= 0:
             del self._calls[call], self._unanswered[call]
             self._call_of.pop(items[0], None)
+
+
+class Lane:
+    """One model's admission in the model process (service/doors/calls.py `Admission`), over the edge's one
+    connection to it."""
+
+    def __init__(self, client: ModelClient, model: int) -> None:
+        self._client = client
+        self._model = model
+
+    def submit(self, requests: Sequence[Request[Job]], deadline: float) -> list[Item[Job]]:
+        return self._client.submit(requests, deadline, self._model)
+
+    def cancel(self, items: Sequence[Item[Job]]) -> None:
+        self._client.cancel(items)

@@ -36,8 +36,9 @@ async def test_the_served_name_is_shown_everywhere_and_aliases_are_answered(
                            model_alias=",".join(ALIASES))
     info = await s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert info.name == "my-embedder"
-    assert s.sample("attention_model_info", {"name": "my-embedder", "version": info.version, "device": "cpu",
-                                             "precision": "fp32", "precision_source": "configured"}) == 1
+    assert s.sample("attention_model_info", {"name": "tiny-bert", "model": "my-embedder", "version": info.version,
+                                             "device": "cpu", "precision": "fp32",
+                                             "precision_source": "configured"}) == 1  # name: the bundle's own
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{s.server.http_port}", timeout=30) as http:
         assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == ["my-embedder", *ALIASES]
         for name in ("my-embedder", *ALIASES):

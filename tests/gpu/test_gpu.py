@@ -271,8 +271,8 @@ async def _real_oom_child(bundle_dir: str) -> dict[str, object]:
         sample = registry.get_sample_value
         return {"codes": codes, "max_rel_err": max(errors, default=0.0),
                 "per_sequence_mib": per_sequence / 2**20, "cap_mib": cap / 2**20,
-                "oom_splits": sample("attention_batch_splits_total", {"reason": "oom"}) or 0.0,
-                "batches": sample("attention_batch_size_count") or 0.0}
+                "oom_splits": sample("attention_batch_splits_total", {"reason": "oom", "model": "oom"}) or 0.0,
+                "batches": sample("attention_batch_size_count", {"model": "oom"}) or 0.0}
     finally:
         if channel is not None:
             await channel.close()

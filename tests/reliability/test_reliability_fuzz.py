@@ -27,7 +27,8 @@ from tests.support.reliability_helpers import assert_clean_status, byte_mutation
 from tests.support.server_process import ServerProcess
 
 Code = grpc.StatusCode
-ALLOWED = {Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
+# NOT_FOUND: bytes that parse as EncodeRequest.model name a model this service does not serve.
+ALLOWED = {Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED, Code.NOT_FOUND}
 FUZZ = {"deadline": None, "database": None, "suppress_health_check": [HealthCheck.too_slow]}
 D_MODEL, VOCAB, MAX_LENGTH = 32, 100, 64  # the TINY model's
 

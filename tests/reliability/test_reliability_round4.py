@@ -26,6 +26,11 @@ from tests.support.helpers import Running, wait_for
 from tests.support.server_process import ServerProcess
 
 BODY_BYTES = 16 << 20  # the servers below take bodies up to this
+# Health is answered throughout. The bound is generous, a liveness check rather than a timing (the machine may be
+# loaded): before this round one 16 MB body held the event loop 17 s. What makes the work bounded is asserted
+# apart: each attack refused by its counts, and the server's peak memory. The measured latencies are in the
+# closing note of issue 39 (about 0.03-0.3 s on a 2-core machine at load 7).
+HEALTH_BOUND_S = 5.0
 
 
 def _rows(unit: bytes, size: int) -> bytes:
@@ -111,7 +116,9 @@ def test_every_route_takes_a_body_of_its_smallest_units_with_health_answered_and
             r = client.post(path, content=body, headers={"Content-Type": "application/json"})
             assert r.status_code in (400, 404, 413, 422), (name, r.status_code, r.text[:200])
             assert "ref=" not in r.text, (name, r.text[:200])  # never an internal error
-    assert watch.answered > 0 and watch.slowest < 1.0, f"health waited {watch.slowest:.2f} s"
+            if size == BODY_BYTES:  # refused by its counts, before anything of it was parsed
+                assert "JSON values" in r.text, (name, r.text[:200])
+    assert watch.answered > 0 and watch.slowest < HEALTH_BOUND_S, f"health waited {watch.slowest:.2f} s"
     grown = _peak_rss_mb(process.pid) - before
     assert grown < 400, f"peak RSS grew {grown:.0f} MB"
 
@@ -152,7 +159,9 @@ def test_every_grpc_method_takes_a_message_of_its_smallest_units_with_health_ans
             with pytest.raises(grpc.RpcError) as info:
                 call(message, timeout=60)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, info.value.details())
-    assert watch.answered > 0 and watch.slowest < 1.0, f"health waited {watch.slowest:.2f} s"
+            if name != "Encode shape":  # refused by its top-level fields, before the parser built them
+                assert "top-level fields" in (info.value.details() or ""), (name, info.value.details())
+    assert watch.answered > 0 and watch.slowest < HEALTH_BOUND_S, f"health waited {watch.slowest:.2f} s"
     grown = _peak_rss_mb(process.pid) - before
     assert grown < 400, f"peak RSS grew {grown:.0f} MB"
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.bundle import has_diagnostics, load_bundle, save_bundle
+from model.bundle import FAULT_MODEL_NAME, has_diagnostics, load_bundle, save_bundle
 from model.config import TINY
 from model.encoder import Encoder
 from proto.attention.v1.codec import from_tensor
@@ -145,8 +145,9 @@ async def test_sampling_off_records_nothing_and_alerted_counters_exist_at_zero(s
         await s.stub.Encode(ids_request(*SEQUENCES), timeout=10)
     assert s.sample("attention_diagnostics_enabled") == 0
     for layer in map(str, range(TINY.n_layers)):
-        assert s.registry.get_sample_value("attention_score_overflow_risk_total", {"layer": layer}) == 0
-        assert s.registry.get_sample_value("attention_entropy_normalized_count", {"layer": layer}) is None
+        labels = {"layer": layer, "model": "tiny"}
+        assert s.registry.get_sample_value("attention_score_overflow_risk_total", labels) == 0
+        assert s.registry.get_sample_value("attention_entropy_normalized_count", labels) is None
 
 
 async def test_sampling_follows_the_configured_fraction(start_server):
@@ -164,7 +165,8 @@ async def test_a_bundle_without_the_entry_point_serves_without_diagnostics(start
     response = await s.stub.Encode(ids_request(SEQUENCES[1]), timeout=10)
     assert len(response.outputs) == 1
     assert s.sample("attention_diagnostics_enabled") == 0
-    assert s.registry.get_sample_value("attention_score_overflow_risk_total", {"layer": "0"}) == 0
+    labels = {"layer": "0", "model": FAULT_MODEL_NAME}
+    assert s.registry.get_sample_value("attention_score_overflow_risk_total", labels) == 0
 
 
 def test_entropy_baseline_is_validated():

@@ -22,36 +22,36 @@ from tests.support.server_process import ServerProcess
 # The contract with dashboards and alerts (deploy/; tests/deploy/test_deploy.py reads it through
 # service.metrics.metric_families): a rename must be a conscious change here too.
 PINNED = {
-    "attention_request_duration_seconds": ("histogram", {"method", "code"}),
-    "attention_queue_duration_seconds": ("histogram", set()),
-    "attention_compute_duration_seconds": ("histogram", {"precision"}),
-    "attention_batch_size": ("histogram", set()),
-    "attention_batch_tokens": ("histogram", set()),
-    "attention_padding_ratio": ("histogram", set()),
-    "attention_queue_depth": ("gauge", set()),
-    "attention_queue_tokens": ("gauge", set()),
-    "attention_queue_limit_tokens": ("gauge", set()),
+    "attention_request_duration_seconds": ("histogram", {"method", "code", "model"}),
+    "attention_queue_duration_seconds": ("histogram", {"model"}),
+    "attention_compute_duration_seconds": ("histogram", {"precision", "model"}),
+    "attention_batch_size": ("histogram", {"model"}),
+    "attention_batch_tokens": ("histogram", {"model"}),
+    "attention_padding_ratio": ("histogram", {"model"}),
+    "attention_queue_depth": ("gauge", {"model"}),
+    "attention_queue_tokens": ("gauge", {"model"}),
+    "attention_queue_limit_tokens": ("gauge", {"model"}),
     "attention_ready": ("gauge", set()),
-    "attention_model_info": ("gauge", {"name", "version", "device", "precision", "precision_source"}),
-    "attention_warmup_forward_seconds": ("gauge", {"precision"}),
-    "attention_batch_tokens_limit": ("gauge", {"source"}),
+    "attention_model_info": ("gauge", {"name", "version", "device", "precision", "precision_source", "model"}),
+    "attention_warmup_forward_seconds": ("gauge", {"precision", "model"}),
+    "attention_batch_tokens_limit": ("gauge", {"source", "model"}),
     "attention_model_workers": ("gauge", {"source"}),
-    "attention_warmup_tokens_per_second": ("gauge", {"batch_tokens"}),
-    "attention_requests_total": ("counter", {"method", "code"}),
-    "attention_sequences_total": ("counter", set()),
-    "attention_nonfinite_outputs_total": ("counter", {"precision"}),
-    "attention_fp32_retries_total": ("counter", set()),
+    "attention_warmup_tokens_per_second": ("gauge", {"batch_tokens", "model"}),
+    "attention_requests_total": ("counter", {"method", "code", "model"}),
+    "attention_sequences_total": ("counter", {"model"}),
+    "attention_nonfinite_outputs_total": ("counter", {"precision", "model"}),
+    "attention_fp32_retries_total": ("counter", {"model"}),
     "attention_nonfinite_inputs_total": ("counter", set()),
     "attention_failures_total": ("counter", {"reason"}),
-    "attention_dropped_total": ("counter", {"reason"}),
-    "attention_batch_splits_total": ("counter", {"reason"}),
-    "attention_batches_total": ("counter", {"width"}),
+    "attention_dropped_total": ("counter", {"reason", "model"}),
+    "attention_batch_splits_total": ("counter", {"reason", "model"}),
+    "attention_batches_total": ("counter", {"width", "model"}),
     "attention_auth_failures_total": ("counter", {"reason"}),
-    "attention_score_max_abs": ("histogram", {"layer"}),
-    "attention_entropy_normalized": ("histogram", {"layer"}),
-    "attention_score_overflow_risk_total": ("counter", {"layer"}),
-    "attention_entropy_baseline": ("gauge", {"layer"}),
-    "attention_diagnostics_enabled": ("gauge", set()),
+    "attention_score_max_abs": ("histogram", {"layer", "model"}),
+    "attention_entropy_normalized": ("histogram", {"layer", "model"}),
+    "attention_score_overflow_risk_total": ("counter", {"layer", "model"}),
+    "attention_entropy_baseline": ("gauge", {"layer", "model"}),
+    "attention_diagnostics_enabled": ("gauge", {"model"}),
     "grpc_server_started_total": ("counter", {"grpc_type", "grpc_service", "grpc_method"}),
     "grpc_server_handled_total": ("counter", {"grpc_type", "grpc_service", "grpc_method", "grpc_code"}),
     "grpc_server_handling_seconds": ("histogram", {"grpc_type", "grpc_service", "grpc_method"}),
@@ -83,11 +83,11 @@ async def test_requests_are_counted_by_method_and_code_and_served_over_http(star
                    what="the failed call counted")
     assert s.sample("grpc_server_started_total", labels) == 2
     assert s.sample("attention_ready") == 1
-    assert s.sample("attention_model_info", {"name": "tiny", "version": "1", "device": "cpu",
-                                             "precision": "fp32", "precision_source": "configured"}) == 1
+    assert s.sample("attention_model_info", {"name": "tiny", "version": "1", "device": "cpu", "precision": "fp32",
+                                             "precision_source": "configured", "model": "tiny"}) == 1
     text = await asyncio.to_thread(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read())
-    assert b'attention_requests_total{code="OK",method="Encode"} 1.0' in text
+    assert b'attention_requests_total{code="OK",method="Encode",model="tiny"} 1.0' in text  # the model it ran on
     assert b"attention_request_duration_seconds_bucket" in text
 
 
@@ -177,12 +177,12 @@ def test_failure_and_drop_counters_exist_at_zero_on_a_fresh_server(tiny_bundle: 
 
 
 def test_every_drop_reason_the_batcher_reports_is_initialised():
-    """DROP_REASONS is what service/batching/batcher.py passes to on_dropped, read from its source."""
+    """DROP_REASONS is what service/batching/ passes to on_dropped, read from its source."""
     import re
 
     from service.batching import batcher
 
-    source = Path(batcher.__file__).read_text()
+    source = "".join(path.read_text() for path in Path(batcher.__file__).parent.glob("*.py"))
     reported = set(re.findall(r'on_dropped\("(\w+)"', source)) | set(re.findall(r'dropped\["(\w+)" if', source))
     reported |= set(re.findall(r'else "(\w+)"\] \+= 1', source))
     assert reported == set(DROP_REASONS), reported

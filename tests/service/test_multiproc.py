@@ -424,9 +424,9 @@ def test_jobs_and_results_cross_bit_for_bit():
             Job(None, rng.standard_normal((4, 32)).astype(np.float32)),
             Job(rng.integers(0, 100, 5), None, return_hidden=False, head="rerank",
                 token_types=np.array([0, 0, 1, 1, 1], np.int64))]
-    kind, call, body = _parse(frames.submit(11, 123.5, jobs))
-    deadline, back = frames.read_submit(body)
-    assert (kind, call, deadline) == (frames.SUBMIT, 11, 123.5)
+    kind, call, body = _parse(frames.submit(11, 123.5, jobs, model=3))
+    deadline, back, model = frames.read_submit(body)
+    assert (kind, call, deadline, model) == (frames.SUBMIT, 11, 123.5, 3)
     for a, b in zip(jobs, back, strict=True):
         assert (a.causal, a.attn_layers, a.heads_mean, a.pooling, a.return_hidden, a.normalize, a.head) == (
             b.causal, b.attn_layers, b.heads_mean, b.pooling, b.return_hidden, b.normalize, b.head)

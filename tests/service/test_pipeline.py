@@ -119,14 +119,15 @@ class Spy:
     def watch(self, batcher: Batcher[Job]) -> None:
         """Log each batch delivered: its outcomes are ready and about to go to the event loop (so the
         entry is there before any of the batch's futures resolves)."""
-        outcomes = batcher._outcomes
+        scheduler = batcher.scheduler
+        outcomes = scheduler._outcomes
 
-        def delivering(batch: Any, *args: Any) -> Any:
-            result = outcomes(batch, *args)
-            self.log.append(("deliver", len(batch)))
+        def delivering(work: Any, *args: Any) -> Any:
+            result = outcomes(work, *args)
+            self.log.append(("deliver", len(work.items)))
             return result
 
-        batcher._outcomes = delivering  # type: ignore[method-assign]
+        scheduler._outcomes = delivering  # type: ignore[method-assign]
 
     def max_in_flight(self) -> int:
         """Most batches started (launch or execute) and not yet delivered at any one time. (Counts a

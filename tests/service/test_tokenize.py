@@ -57,7 +57,7 @@ async def test_prompts_and_truncation_as_encode(start_server: Any, tiny_text_bun
 
 @pytest.mark.parametrize(("request_", "field", "words"), [
     (pb.TokenizeRequest(texts=["a", "a b c a b c a b c"]), "texts[1]", ["11 tokens", "limit of 8", "truncate"]),
-    (pb.TokenizeRequest(texts=["a"], prompt_name="nope"), "prompt_name", ["'nope'", "query"]),
+    (pb.TokenizeRequest(texts=["a"], prompt_name="nope"), "prompt_name", ["unknown prompt", "query"]),
     (pb.TokenizeRequest(), "texts", ["1..4 texts", "got 0"]),
     (pb.TokenizeRequest(texts=["a"] * 5), "texts", ["1..4 texts", "got 5"]),
     (pb.TokenizeRequest(texts=["a" * 40, "b" * 30]), "texts", ["70 characters", "at most 64"]),

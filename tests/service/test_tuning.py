@@ -5,6 +5,7 @@ only that a choice is made, explained and reported (timings belong in bench/RESU
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -224,9 +225,11 @@ def test_the_choices_cross_to_edge_processes_intact():
                      precision_forward_ms={"fp32": 2.0, "bf16": 1.0}, max_batch_tokens=512, batch_reason="measured",
                      batch_curve={256: 10.0, 512: 11.0}, quantization_ranges=((-0.5,), (0.5,)),
                      model_workers=2, workers_reason="measured", compared_workers=1, compared_curve={256: 9.0})
-    body = frames.hello(spec, 2)
-    got, workers, _ = frames.read_hello(memoryview(body)[frames.HEADER.size:])
-    assert got == spec and workers == 2
+    other = dataclasses.replace(spec, name="n", precision="fp32")
+    body = frames.hello([frames.Served(spec, ("alias",), {"max_sequences_per_call": 8}), frames.Served(other)], "m", 2)
+    got, default, workers, _ = frames.read_hello(memoryview(body)[frames.HEADER.size:])
+    assert [g.spec for g in got] == [spec, other] and default == "m" and workers == 2
+    assert got[0].aliases == ("alias",) and got[0].settings == {"max_sequences_per_call": 8} and not got[1].aliases
 
 
 async def test_precision_and_budget_chosen_at_start_are_reported_by_model_info_and_metrics(start_server):

@@ -43,7 +43,11 @@ class Running:
         return f"127.0.0.1:{self.port}"
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
+        """The sample named `name` with exactly `labels`, summed over the `model` label (one per model served)
+        unless `labels` gives it."""
+        want = labels or {}
+        return sum(s.value for family in self.registry.collect() for s in family.samples
+                   if s.name == name and {k: v for k, v in s.labels.items() if k != "model" or "model" in want} == want)
 
 
 def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:

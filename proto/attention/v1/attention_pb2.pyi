@@ -25,6 +25,12 @@ class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOLING_CLS: _ClassVar[Pooling]
     POOLING_MODEL: _ClassVar[Pooling]
 
+class MultiVector(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MULTI_VECTOR_NONE: _ClassVar[MultiVector]
+    MULTI_VECTOR_QUERY: _ClassVar[MultiVector]
+    MULTI_VECTOR_DOCUMENT: _ClassVar[MultiVector]
+
 class Quantization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     QUANTIZATION_NONE: _ClassVar[Quantization]
@@ -56,6 +62,9 @@ POOLING_NONE: Pooling
 POOLING_MEAN: Pooling
 POOLING_CLS: Pooling
 POOLING_MODEL: Pooling
+MULTI_VECTOR_NONE: MultiVector
+MULTI_VECTOR_QUERY: MultiVector
+MULTI_VECTOR_DOCUMENT: MultiVector
 QUANTIZATION_NONE: Quantization
 QUANTIZATION_INT8: Quantization
 QUANTIZATION_UINT8: Quantization
@@ -89,7 +98,7 @@ class Sequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class OutputOptions(_message.Message):
-    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens", "dimensions", "quantization", "quantization_ranges", "sparse")
+    __slots__ = ("return_hidden", "pooling", "dtype", "normalize", "prompt_name", "return_tokens", "dimensions", "quantization", "quantization_ranges", "sparse", "vectors")
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +109,7 @@ class OutputOptions(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_RANGES_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
     return_hidden: bool
     pooling: Pooling
     dtype: DType
@@ -110,7 +120,8 @@ class OutputOptions(_message.Message):
     quantization: Quantization
     quantization_ranges: QuantizationRanges
     sparse: SparseOptions
-    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ..., dimensions: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., sparse: _Optional[_Union[SparseOptions, _Mapping]] = ...) -> None: ...
+    vectors: MultiVector
+    def __init__(self, return_hidden: _Optional[bool] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., normalize: _Optional[bool] = ..., prompt_name: _Optional[str] = ..., return_tokens: _Optional[bool] = ..., dimensions: _Optional[int] = ..., quantization: _Optional[_Union[Quantization, str]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., sparse: _Optional[_Union[SparseOptions, _Mapping]] = ..., vectors: _Optional[_Union[MultiVector, str]] = ...) -> None: ...
 
 class QuantizationRanges(_message.Message):
     __slots__ = ("min", "max")
@@ -149,7 +160,7 @@ class AttentionOptions(_message.Message):
     def __init__(self, return_attention: _Optional[bool] = ..., layers: _Optional[_Iterable[int]] = ..., heads: _Optional[_Union[HeadReduction, str]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("request_id", "sequences", "output", "attention", "causal", "truncate", "long_inputs", "chunk_stride")
+    __slots__ = ("request_id", "sequences", "output", "attention", "causal", "truncate", "long_inputs", "chunk_stride", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +169,7 @@ class EncodeRequest(_message.Message):
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     LONG_INPUTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequences: _containers.RepeatedCompositeFieldContainer[Sequence]
     output: OutputOptions
@@ -166,7 +178,8 @@ class EncodeRequest(_message.Message):
     truncate: bool
     long_inputs: LongInputs
     chunk_stride: int
-    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ..., truncate: _Optional[bool] = ..., long_inputs: _Optional[_Union[LongInputs, str]] = ..., chunk_stride: _Optional[int] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[Sequence, _Mapping]]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., causal: _Optional[bool] = ..., truncate: _Optional[bool] = ..., long_inputs: _Optional[_Union[LongInputs, str]] = ..., chunk_stride: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class ResponseMetadata(_message.Message):
     __slots__ = ("queue_us", "compute_us", "batch_size", "padded_length", "precision", "fp32_retry", "device", "model_name", "model_version")
@@ -191,7 +204,7 @@ class ResponseMetadata(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., batch_size: _Optional[int] = ..., padded_length: _Optional[int] = ..., precision: _Optional[str] = ..., fp32_retry: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows", "sparse")
+    __slots__ = ("hidden", "pooled", "attention", "nonfinite", "token_count", "truncated", "token_ids", "tokens", "windows", "sparse", "vectors")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +215,7 @@ class SequenceOutput(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     pooled: Tensor
     attention: Tensor
@@ -212,7 +226,8 @@ class SequenceOutput(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[str]
     windows: int
     sparse: SparseVector
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ..., sparse: _Optional[_Union[SparseVector, _Mapping]] = ...) -> None: ...
+    vectors: Tensor
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., pooled: _Optional[_Union[Tensor, _Mapping]] = ..., attention: _Optional[_Union[Tensor, _Mapping]] = ..., nonfinite: _Optional[bool] = ..., token_count: _Optional[int] = ..., truncated: _Optional[bool] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[_Iterable[str]] = ..., windows: _Optional[int] = ..., sparse: _Optional[_Union[SparseVector, _Mapping]] = ..., vectors: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "message", "field")
@@ -237,8 +252,20 @@ class EncodeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., metadata: _Optional[_Union[ResponseMetadata, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_sequences_per_call", "max_tokens_per_call", "max_message_bytes", "max_attention_bytes")
@@ -282,7 +309,7 @@ class TextInfo(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., default_prompt_name: _Optional[str] = ..., tokenizer_checksum: _Optional[str] = ..., max_text_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges", "tasks", "labels", "backend")
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges", "tasks", "labels", "backend", "vector_dim", "sparse_kind", "aliases")
     class PrecisionForwardMsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +340,9 @@ class ModelInfo(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VECTOR_DIM_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_KIND_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     checksum: str
@@ -336,7 +366,10 @@ class ModelInfo(_message.Message):
     tasks: _containers.RepeatedScalarFieldContainer[str]
     labels: _containers.RepeatedScalarFieldContainer[str]
     backend: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ...) -> None: ...
+    vector_dim: int
+    sparse_kind: str
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., vector_dim: _Optional[int] = ..., sparse_kind: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BatchBudget(_message.Message):
     __slots__ = ("max_batch_tokens", "reason", "tokens_per_second", "model_workers", "workers_reason", "compared_workers", "compared_tokens_per_second")
@@ -371,14 +404,16 @@ class BatchBudget(_message.Message):
     def __init__(self, max_batch_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., tokens_per_second: _Optional[_Mapping[int, float]] = ..., model_workers: _Optional[int] = ..., workers_reason: _Optional[str] = ..., compared_workers: _Optional[int] = ..., compared_tokens_per_second: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("texts", "prompt_name", "truncate")
+    __slots__ = ("texts", "prompt_name", "truncate", "model")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     prompt_name: str
     truncate: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., truncate: _Optional[bool] = ...) -> None: ...
+    model: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., prompt_name: _Optional[str] = ..., truncate: _Optional[bool] = ..., model: _Optional[str] = ...) -> None: ...
 
 class TokenizedText(_message.Message):
     __slots__ = ("ids", "tokens", "token_count", "truncated")
@@ -407,20 +442,22 @@ class TextPair(_message.Message):
     def __init__(self, first: _Optional[str] = ..., second: _Optional[str] = ...) -> None: ...
 
 class ClassifyRequest(_message.Message):
-    __slots__ = ("request_id", "texts", "pairs", "raw_scores", "truncate", "attention")
+    __slots__ = ("request_id", "texts", "pairs", "raw_scores", "truncate", "attention", "model")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     PAIRS_FIELD_NUMBER: _ClassVar[int]
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     texts: _containers.RepeatedScalarFieldContainer[str]
     pairs: _containers.RepeatedCompositeFieldContainer[TextPair]
     raw_scores: bool
     truncate: bool
     attention: AttentionOptions
-    def __init__(self, request_id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[TextPair, _Mapping]]] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, request_id: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[TextPair, _Mapping]]] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
 
 class LabelScore(_message.Message):
     __slots__ = ("label", "score")
@@ -453,7 +490,7 @@ class ClassifyResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., results: _Optional[_Iterable[_Union[Classification, _Mapping]]] = ..., metadata: _Optional[_Union[ResponseMetadata, _Mapping]] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("request_id", "query", "texts", "top_n", "return_text", "raw_scores", "truncate", "attention")
+    __slots__ = ("request_id", "query", "texts", "top_n", "return_text", "raw_scores", "truncate", "attention", "model", "scoring", "weights")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
@@ -462,6 +499,9 @@ class RerankRequest(_message.Message):
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SCORING_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     query: str
     texts: _containers.RepeatedScalarFieldContainer[str]
@@ -470,7 +510,10 @@ class RerankRequest(_message.Message):
     raw_scores: bool
     truncate: bool
     attention: AttentionOptions
-    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_text: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ...) -> None: ...
+    model: str
+    scoring: str
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., top_n: _Optional[int] = ..., return_text: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., truncate: _Optional[bool] = ..., attention: _Optional[_Union[AttentionOptions, _Mapping]] = ..., model: _Optional[str] = ..., scoring: _Optional[str] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RankedText(_message.Message):
     __slots__ = ("index", "score", "text", "token_count", "truncated", "attention")

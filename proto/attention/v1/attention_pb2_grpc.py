@@ -64,6 +64,11 @@ class AttentionServiceStub:
                 request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankRequest.SerializeToString,
                 response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/attention.v1.AttentionService/ListModels',
+                request_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -107,8 +112,17 @@ class AttentionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rerank(self, request, context):
-        """Cross-encoder reranking (TEI's /rerank): each text paired with the query, scored by the model's one-label
-        head, answered highest first. Without a reranker (ModelInfo.tasks lacks "rerank"): INVALID_ARGUMENT (task).
+        """Reranking (TEI's /rerank), answered highest first: with a cross-encoder (ModelInfo.tasks has "rerank") each
+        text paired with the query and scored by the model's one-label head; with a late-interaction model (tasks
+        has "colbert") the query encoded as a query, each text as a document, scored by MaxSim (BGE-M3: by
+        RerankRequest.scoring). Neither: INVALID_ARGUMENT (task).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """Every model this service serves (by name, with its aliases), the default one first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +160,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Rerank,
                     request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankRequest.FromString,
                     response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.RerankResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=proto_dot_attention_dot_v1_dot_attention__pb2.ListModelsRequest.FromString,
+                    response_serializer=proto_dot_attention_dot_v1_dot_attention__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +329,33 @@ class AttentionService:
             '/attention.v1.AttentionService/Rerank',
             proto_dot_attention_dot_v1_dot_attention__pb2.RerankRequest.SerializeToString,
             proto_dot_attention_dot_v1_dot_attention__pb2.RerankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/ListModels',
+            proto_dot_attention_dot_v1_dot_attention__pb2.ListModelsRequest.SerializeToString,
+            proto_dot_attention_dot_v1_dot_attention__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

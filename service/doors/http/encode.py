@@ -13,7 +13,7 @@ from google.protobuf import json_format
 
 from proto.attention.v1 import attention_pb2 as pb
 from service.doors import attention_wire as wire
-from service.doors.calls import Calls
+from service.doors.calls import Calls, Model
 from service.doors.http import deadline
 from service.doors.http.wire import (
     INLINE_BYTES,
@@ -47,17 +47,19 @@ class EncodeJson:
         return Routes(DIALECT, "/v1/encode", [Route("POST", "/v1/encode", self.encode)])
 
     async def encode(self, request: web.Request) -> web.StreamResponse:
-        model, config = self._calls.model(), self._calls.config
+        self._calls.model()  # UNAVAILABLE while loading or draining, before the body is read
+        config = self._calls.config
 
-        def decode(body: Any) -> Ask:
+        def decode(body: Any) -> tuple[Model, Ask]:
             try:
                 message = json_format.ParseDict(json_object(body), pb.EncodeRequest(), ignore_unknown_fields=False)
             except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
                 raise InvalidInput("body", f"not an attention.v1.EncodeRequest: {str(exc)[:160]}") from None
-            return wire.encode_ask(message, model.spec, config)
+            model = self._calls.model(message.model)
+            return model, wire.encode_ask(message, model.spec, config)
 
         # Tensors are base64 strings: a call's JSON values are its options, shapes and calibration ranges.
-        ask = await read_json(request, config, MAX_VALUES + 16 * config.max_sequences_per_call, decode)
+        model, ask = await read_json(request, config, MAX_VALUES + 16 * config.max_sequences_per_call, decode)
         ran = await self._calls.run(model, ask, wire.NAMES, wire.response_bytes, deadline.remaining())
         response = wire.encode_response(ran)
         if response.ByteSize() > INLINE_BYTES:

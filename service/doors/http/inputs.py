@@ -84,6 +84,8 @@ def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
     base64 being shorter), for max_message_bytes."""
     pooled = plan.pooled_size(spec.d_model)[0]
     values = sum((job.length * spec.d_model if job.return_hidden else 0) + (pooled if job.pooling else 0)
+                 + ((len(job.vector_rows) if job.vector_rows is not None else job.length) * spec.vector_dim
+                    if job.vectors else 0)
                  for job in plan.sequences)
     # A sparse vector (/embed_sparse): at most one {"index": ..., "value": ...} per vocabulary entry.
     entries = spec.vocab_size * sum(job.head == "sparse" for job in plan.sequences)

@@ -31,7 +31,7 @@ from typing import Any
 from aiohttp import web
 
 from service.config import ServiceConfig
-from service.doors.calls import Calls, Serving, being_cancelled
+from service.doors.calls import CALL_MODEL, Calls, Serving, being_cancelled
 from service.doors.http import deadline
 from service.doors.http.wire import Dialect, Handler, Route, Routes
 from service.doors.ports import port_error
@@ -174,7 +174,7 @@ class HttpDoor:
                 return dialect.error(error)
             finally:
                 if counted:
-                    metrics.observe_request(method, code, time.perf_counter() - started)
+                    metrics.observe_request(method, code, time.perf_counter() - started, CALL_MODEL.get())
 
         self.app.router.add_route(route.verb, route.path, handle)
 

@@ -25,8 +25,10 @@ Choices a Triton user would look for (docs/kserve.md has the tables):
   the rows' order, no sorting: sigmoid unless `raw_scores`, as attention.v1's Rerank) and/or `logits`
   (the raw [batch, 1]); the plan's checks and errors as Rerank's, named as this door's fields;
 - ModelStreamInfer rides EncodeStream's loop; a failed request answers `error_message`
-  "[StatusCode.X] message" and the stream goes on. Load/unload, shared-memory, trace and log RPCs
-  are UNIMPLEMENTED.
+  "[StatusCode.X] message" and the stream goes on;
+- RepositoryModelLoad / RepositoryModelUnload (the repository extension) load and unload models while
+  serving, with `--model-control explicit` (as Triton's `--model-control-mode=explicit`); off, they answer
+  FAILED_PRECONDITION. Shared-memory, trace and log RPCs are UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as v2
 
-from service.doors.calls import Calls, Model
+from service.doors.calls import Calls, Model, Repository
 from service.doors.kserve.wire import (
     ATTENTION,
     HIDDEN,
@@ -46,6 +48,8 @@ from service.doors.kserve.wire import (
     POOLED,
     SCORES,
     SPARSE,
+    VECTOR_COUNTS,
+    VECTORS,
     config_output,
     decode_infer,
     infer_response,
@@ -53,7 +57,7 @@ from service.doors.kserve.wire import (
     model_inputs,
     parameters,
 )
-from service.errors import NotFound, NotReady, shown
+from service.errors import FailedPrecondition, InvalidInput, NotFound, NotReady, shown
 from service.jobs import ModelSpec
 from service.metrics import Timing
 
@@ -121,7 +125,8 @@ class KServe:
         return v2.ModelMetadataResponse(
             name=spec.name, versions=[spec.version], platform=PLATFORM,
             inputs=[meta(name=i.name, datatype=i.datatype, shape=[-1, *i.dims]) for i in inputs],
-            outputs=[meta(name=name, datatype="FP32", shape=[-1, *dims]) for name, dims in self._outputs(spec)],
+            outputs=[meta(name=name, datatype="INT64" if name == VECTOR_COUNTS else "FP32", shape=[-1, *dims])
+                     for name, dims in self._outputs(spec)],
         )
 
     def _outputs(self, spec: ModelSpec) -> list[tuple[str, list[int]]]:
@@ -131,8 +136,10 @@ class KServe:
             outputs.append((SPARSE, [spec.vocab_size]))
         if "classify" in spec.tasks:
             outputs.append((LOGITS, [len(spec.labels)]))
-        if "rerank" in spec.tasks:
+        if "rerank" in spec.tasks or spec.vector_dim:
             outputs.append((SCORES, []))  # [batch]: one score a row
+        if spec.vector_dim:
+            outputs += [(VECTORS, [-1, spec.vector_dim]), (VECTOR_COUNTS, [])]
         if self._config.allow_attention:
             outputs.append((ATTENTION, [-1, -1, -1, -1]))  # layers asked, heads (or 1), T, T
         return outputs
@@ -171,13 +178,20 @@ class KServe:
         return v2.ModelConfigResponse(config=config)
 
     def model_statistics(self, request: Any) -> Any:
-        """Triton's shape, model-wide (attention.v1 calls included), from the service's own counts
+        """Triton's shape, per model (every door's calls to it), from the service's own counts
         (service/metrics.py `ModelCounts`): success/fail per call, queue per sequence, compute_infer per
         forward (warm-up's included). The host-side input and output handling around a forward are not
         timed apart: compute_input and compute_output carry compute_infer's count with 0 ns (perf_analyzer
-        requires the three counts equal). batch_stats is left empty."""
-        spec = self._spec(request.name, request.version) if request.name else self.calls.model().spec
-        counts = self.calls.metrics.counts()
+        requires the three counts equal). batch_stats is left empty. No name: every model's."""
+        if request.name:
+            specs = [self._spec(request.name, request.version)]
+        else:
+            self.calls.model()  # UNAVAILABLE while loading or draining
+            specs = [m.spec for m in self.calls.serving.models.values()]
+        return v2.ModelStatisticsResponse(model_stats=[self._statistics(spec) for spec in specs])
+
+    def _statistics(self, spec: ModelSpec) -> Any:
+        counts = self.calls.metrics.counts(spec.name)
         stats = v2.ModelStatistics(name=spec.name, version=spec.version, last_inference=counts.last_inference_ms,
                                    inference_count=counts.sequences, execution_count=counts.batches)
         calls = stats.inference_stats
@@ -185,7 +199,49 @@ class KServe:
                              (calls.compute_infer, counts.compute), (calls.compute_input, Timing(counts.compute.count)),
                              (calls.compute_output, Timing(counts.compute.count))):
             into.count, into.ns = timing.count, int(timing.seconds * 1e9)
-        return v2.ModelStatisticsResponse(model_stats=[stats])
+        return stats
+
+    def extensions(self) -> tuple[str, ...]:
+        """The protocol extensions this server speaks: the repository's only with model control on."""
+        return EXTENSIONS + (("model_repository",) if self._config.model_control == "explicit" else ())
+
+    # -- the repository extension: load and unload while serving -----------------------------------------
+
+    def _repository(self, repository_name: str) -> Repository:
+        if repository_name:
+            raise NotFound(f"unknown repository {shown(repository_name)}; this server has one, named \"\" (leave "
+                           "repository_name empty)")
+        repository = self.calls.serving.repository
+        if repository is None:
+            raise FailedPrecondition("model control is off here: start the service with --model-control explicit to "
+                                     "load and unload models while serving (not available with edge processes)")
+        return repository
+
+    async def load(self, request: Any) -> Any:
+        """RepositoryModelLoad: serve `model_name` (its parameters: `path`, a bundle or a Hugging Face folder,
+        unless the name was configured at start-up; `precision`, `max_batch_tokens`, `aliases` (comma-separated)
+        and the other per-model settings of a models file). Answers once the model is warm and serving."""
+        repository = self._repository(request.repository_name)
+        if not request.model_name:
+            raise InvalidInput("model_name", "required")
+        values = {name: getattr(value, value.WhichOneof("parameter_choice") or "string_param")
+                  for name, value in request.parameters.items()}
+        path = values.pop("path", "")
+        if not isinstance(path, str):
+            raise InvalidInput("parameters.path", "must be a string")
+        if isinstance(values.get("aliases"), str):
+            values["aliases"] = [a for a in str(values["aliases"]).split(",") if a]
+        await repository.load(request.model_name, path, values)
+        return v2.RepositoryModelLoadResponse()
+
+    async def unload(self, request: Any) -> Any:
+        """RepositoryModelUnload: stop serving `model_name` (new calls to it NOT_FOUND, the accepted ones answered
+        within the drain grace, then its memory freed). Answers once it is gone."""
+        repository = self._repository(request.repository_name)
+        if not request.model_name:
+            raise InvalidInput("model_name", "required")
+        await repository.unload(request.model_name, self._config.drain_grace_s)
+        return v2.RepositoryModelUnloadResponse()
 
     async def infer(self, request: Any, seconds: float, text: Callable[[str], bool] = lambda name: False) -> Any:
         """One ModelInferRequest: decode (service/doors/kserve/wire.py) -> run -> encode. `text(name)`: whether
@@ -194,6 +250,6 @@ class KServe:
         if timeout_us := int_param(params, "timeout", 0):  # Triton's request timeout (0: none): only shortens
             seconds = min(seconds, timeout_us / 1e6)
         model = self.served(request.model_name, request.model_version)
-        call = decode_infer(request, params, model.spec, self._config, text)
+        call = decode_infer(request, params, model.spec, model.config or self._config, text)
         ran = await self.calls.run(model, call.ask, call.names, call.size, seconds, check=call.check)
         return infer_response(call, ran)

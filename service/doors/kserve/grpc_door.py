@@ -6,13 +6,13 @@ shared with every gRPC door.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2 as v2
 
-from service.doors.kserve.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, KServe
+from service.doors.kserve.core import SERVER_NAME, SERVER_VERSION, KServe
 from service.doors.kserve.wire import final_flag
 from service.doors.rpc import Rpc, parse, public, remaining, serialize
 from service.errors import ServiceError, status_of
@@ -36,7 +36,7 @@ class KServeServicer:
             "ServerReady": (v2.ServerReadyRequest, lambda _: v2.ServerReadyResponse(ready=core.ready())),
             "ModelReady": (v2.ModelReadyRequest, core.model_ready),
             "ServerMetadata": (v2.ServerMetadataRequest, lambda _: v2.ServerMetadataResponse(
-                name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS)),
+                name=SERVER_NAME, version=SERVER_VERSION, extensions=core.extensions())),
             "ModelMetadata": (v2.ModelMetadataRequest, core.model_metadata),
             "ModelConfig": (v2.ModelConfigRequest, core.model_config),
             "ModelStatistics": (v2.ModelStatisticsRequest, core.model_statistics),
@@ -45,6 +45,10 @@ class KServeServicer:
         methods = {name: grpc.unary_unary_rpc_method_handler(self._unary(name, *h), response_serializer=bytes)
                    for name, h in handlers.items()}
         methods["ModelInfer"] = grpc.unary_unary_rpc_method_handler(self.model_infer, response_serializer=bytes)
+        for name, request_type, handle in (("RepositoryModelLoad", v2.RepositoryModelLoadRequest, core.load),
+                                           ("RepositoryModelUnload", v2.RepositoryModelUnloadRequest, core.unload)):
+            methods[name] = grpc.unary_unary_rpc_method_handler(self._awaited(name, request_type, handle),
+                                                                response_serializer=bytes)
         methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
             self.model_stream_infer, response_serializer=bytes)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
@@ -53,6 +57,15 @@ class KServeServicer:
         async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
             async def work() -> bytes:
                 return await serialize(handle(await parse(request_type, raw, self._config)))
+
+            return await self._rpc.answer(method, context, work)
+
+        return call
+
+    def _awaited(self, method: str, request_type: Any, handle: Callable[[Any], Awaitable[Any]]) -> Any:
+        async def call(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            async def work() -> bytes:
+                return await serialize(await handle(await parse(request_type, raw, self._config)))
 
             return await self._rpc.answer(method, context, work)
 

@@ -33,7 +33,7 @@ from service.doors.http.wire import (
     parse_json,
     read_body,
 )
-from service.doors.kserve.core import EXTENSIONS, SERVER_NAME, SERVER_VERSION, KServe
+from service.doors.kserve.core import SERVER_NAME, SERVER_VERSION, KServe
 from service.errors import InvalidInput, ServiceError
 
 HEADER = "Inference-Header-Content-Length"
@@ -259,6 +259,9 @@ class KServeRest:
                   Route("GET", "/v2/health/live", self.live, health=True),
                   Route("GET", "/v2/health/ready", self.ready, health=True),
                   Route("GET", "/v2/models/stats", self.all_stats)]  # before /v2/models/{model}
+        routes += [Route("POST", "/v2/repository/index", self.repository_index),
+                   Route("POST", "/v2/repository/models/{model}/load", self.load),
+                   Route("POST", "/v2/repository/models/{model}/unload", self.unload)]
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             routes += [Route("GET", base, self.model_metadata), Route("GET", f"{base}/ready", self.model_ready),
                        Route("GET", f"{base}/config", self.model_config),
@@ -267,7 +270,7 @@ class KServeRest:
 
     async def server_metadata(self, request: web.Request) -> web.StreamResponse:
         return json_response({"name": SERVER_NAME, "version": SERVER_VERSION,
-                              "extensions": [*EXTENSIONS, "binary_tensor_data"]})
+                              "extensions": [*self._core.extensions(), "binary_tensor_data"]})
 
     async def live(self, request: web.Request) -> web.StreamResponse:
         return web.Response(status=200)
@@ -306,6 +309,38 @@ class KServeRest:
 
     async def all_stats(self, request: web.Request) -> web.StreamResponse:
         return json_response(message(self._core.model_statistics(v2.ModelStatisticsRequest())))
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        raw = await read_body(request, 1 << 16, self._config.http_read_timeout_s)
+        return json_object(parse_json(raw, max_values=1024)) if raw.strip() else {}
+
+    async def repository_index(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidInput("ready", "must be a boolean")
+        index = self._core.repository_index(v2.RepositoryIndexRequest(ready=ready))
+        return json_response([{"name": m.name, "version": m.version, "state": m.state,
+                               **({"reason": m.reason} if m.reason else {})} for m in index.models])
+
+    async def load(self, request: web.Request) -> web.StreamResponse:
+        message = v2.RepositoryModelLoadRequest(model_name=request.match_info["model"])
+        for name, value in _parameters(self._body_parameters(await self._body(request)), "parameters").items():
+            _parameter(message.parameters, str(name), value, f"parameters.{str(name)[:64]}")
+        await self._core.load(message)
+        return web.Response(status=200)
+
+    async def unload(self, request: web.Request) -> web.StreamResponse:
+        await self._body(request)  # {"parameters": {"unload_dependents": ...}}: nothing depends on a model here
+        await self._core.unload(v2.RepositoryModelUnloadRequest(model_name=request.match_info["model"]))
+        return web.Response(status=200)
+
+    @staticmethod
+    def _body_parameters(body: dict[str, Any]) -> Any:
+        for name in body:
+            if name != "parameters":
+                raise InvalidInput(str(name)[:64], "unknown field; known: parameters")
+        return body.get("parameters")
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         config = self._config

@@ -45,6 +45,9 @@ IDS, MASK, TYPES, TEXT = "input_ids", "attention_mask", "token_type_ids", "text"
 HIDDEN, POOLED, EMBEDDINGS, ATTENTION = "last_hidden_state", "pooled", "embeddings", "attention"
 SPARSE, LOGITS = "sparse", "logits"  # task heads (docs/tasks.md): SPLADE weights [vocab]; classifier logits [labels]
 SCORES = "scores"  # rerank (parameter `query`): one score per `text` row, [batch], in the rows' order
+# A late-interaction model's token vectors (parameter `vectors_mode`: query | document, default document):
+# [batch, n, vector_dim], zero-padded past each row's count, which `token_vectors_count` ([batch] INT64) gives.
+VECTORS, VECTOR_COUNTS = "token_vectors", "token_vectors_count"
 DEFAULT_OUTPUTS = (HIDDEN, POOLED)
 _INT_TYPES: dict[str, np.dtype[Any]] = {"INT32": np.dtype("<i4"), "INT64": np.dtype("<i8")}
 _FLOAT_TYPES = _DTYPE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
@@ -55,7 +58,8 @@ _IGNORED = frozenset({"priority", "triton_enable_empty_final_response"})
 _PARAMETERS = frozenset({"pooling", "datatype", "attention_layers", "attention_heads", "attention_datatype",
                          "timeout", "normalize", "truncate", "prompt_name", "long_inputs",
                          "chunk_stride", "dimensions", "quantization", "quantization_min",
-                         "quantization_max", "query", "raw_scores"}) | _IGNORED
+                         "quantization_max", "query", "raw_scores", "vectors_mode", "scoring",
+                         "weights"}) | _IGNORED
 _QUANTIZED = {"int8": "INT8", "binary": "INT8", "uint8": "UINT8", "ubinary": "UINT8"}  # the pooled output's datatype
 
 
@@ -83,9 +87,10 @@ def model_inputs(text_model: bool) -> list[InputTensor]:
 
 def config_output(name: str, dims: list[int]) -> Any:
     """A ModelConfig output; a [batch] one (`scores`) is dims [1] reshaped to [], as Triton writes it."""
+    data_type = mc.TYPE_INT64 if name == VECTOR_COUNTS else mc.TYPE_FP32
     if not dims:
-        return mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=[1], reshape=mc.ModelTensorReshape(shape=[]))
-    return mc.ModelOutput(name=name, data_type=mc.TYPE_FP32, dims=dims)
+        return mc.ModelOutput(name=name, data_type=data_type, dims=[1], reshape=mc.ModelTensorReshape(shape=[]))
+    return mc.ModelOutput(name=name, data_type=data_type, dims=dims)
 
 
 
@@ -120,9 +125,15 @@ def _sizes(plan: Plan, spec: ModelSpec, padded_to: int, text: Callable[[str], bo
     heads = sum(spec.vocab_size if job.head == "sparse" else len(spec.labels) + (job.head == "rerank")
                 for job in rows if job.head)  # a rerank row: its logits and its score
     head_size = 4 if plan.task != "embed" else per_value
+    # token vectors padded to the longest row's count (and the counts); packed bits a byte a value
+    counts = [len(job.vector_rows) if job.vector_rows is not None else job.length for job in rows if job.vectors]
+    packed = plan.vectors is not None and plan.vectors.quantization in ("binary", "ubinary")
+    width = (spec.vector_dim + 7) // 8 if packed else spec.vector_dim
+    vectors = len(counts) * max(counts, default=0) * width
     parts = ((HIDDEN, hidden, per_value), (POOLED, sum(1 for job in rows if job.pooling) * pooled_values, pooled_size),
              (LOGITS, heads, head_size), (ATTENTION, attention // ITEMSIZE[plan.attention_dtype],
-                                          ITEMSIZE[plan.attention_dtype]))
+                                          ITEMSIZE[plan.attention_dtype]),
+             (VECTORS, vectors, 1 if packed else per_value), (VECTOR_COUNTS, len(counts), 8))
     total = sum(values * (JSON_NUMBER if text(name) else size) for name, values, size in parts)
     return Sizes(attention, total + 1024 + len(plan.request_id))  # + names, shapes
 
@@ -215,7 +226,7 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
             raise InvalidInput(f"parameters.{name}", "given, but no pooled (or embeddings) output requested")
     default = "model" if spec.tokenizer is not None else "mean"
     pooling = _str_param(params, "pooling", _POOLINGS, default) if pooled else "none"
-    floats = [outputs_dtype for name, outputs_dtype in outputs.items() if name != ATTENTION]
+    floats = [outputs_dtype for name, outputs_dtype in outputs.items() if name not in (ATTENTION, VECTOR_COUNTS)]
     # Sized by the widest of the hidden and pooled outputs (each is converted on its own when sent).
     dtype = max(floats, key=_ITEMSIZE.__getitem__) if floats else "FP32"
     wants_attention = ATTENTION in outputs
@@ -232,6 +243,16 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
     if not isinstance(truncate, bool):
         raise InvalidInput("parameters.truncate", f"must be a bool; got {shown(truncate)}")
     query = _rerank_query(params, outputs)
+    if "vectors_mode" in params and VECTORS not in outputs:
+        raise InvalidInput("parameters.vectors_mode", f"given, but the {VECTORS} output is not requested")
+    vectors = _str_param(params, "vectors_mode", ("query", "document"), "document") if VECTORS in outputs else None
+    scoring = params.get("scoring", "")
+    if not isinstance(scoring, str):
+        raise InvalidInput("parameters.scoring", f"must be a string; got a {type(scoring).__name__}")
+    weights = _floats_param(params, "weights")
+    if query is None and (scoring or weights is not None):
+        raise InvalidInput("parameters.scoring" if scoring else "parameters.weights", "applies to a rerank "
+                           "(parameters.query) on a late-interaction model")
     if query is not None or LOGITS in outputs:  # a head's own call (texts in; attention may be asked beside)
         if query is None and set(outputs) - {LOGITS, ATTENTION}:
             raise InvalidInput("outputs", f"{LOGITS} comes alone (attention may be asked beside it)")
@@ -240,7 +261,7 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
             if name in params:
                 raise InvalidInput(f"parameters.{name}", f"applies to embeddings, not to {task}")
         return Ask(inputs=(), request_id=request.id, return_hidden=False, task=task, query=query, truncate=truncate,
-                   raw_scores=params.get("raw_scores") is True,
+                   raw_scores=params.get("raw_scores") is True, scoring=scoring, weights=weights,
                    long_inputs=_str_param(params, "long_inputs", MODES, ERROR) if "long_inputs" in params else None,
                    chunk_stride=int_param(params, "chunk_stride", 0),
                    attention=_layers(params) if wants_attention else None,
@@ -255,7 +276,7 @@ def _ask(request: Any, params: dict[str, Any], outputs: dict[str, str], spec: Mo
         truncate=truncate, chunk_stride=int_param(params, "chunk_stride", 0), prompt_name=prompt,
         dimensions=_dimensions(params), quantization=_str_param(params, "quantization", QUANTIZATIONS, "none"),
         quantization_ranges=_ranges(params),
-        sparse=(0, 0.0) if SPARSE in outputs else None,
+        sparse=(0, 0.0) if SPARSE in outputs else None, vectors=vectors,
     )
 
 
@@ -290,7 +311,9 @@ def _requested(request: Any, allow_attention: bool, spec: ModelSpec) -> dict[str
     if not request.outputs:
         return dict.fromkeys((SCORES,) if "query" in request.parameters else DEFAULT_OUTPUTS, default)
     known = (HIDDEN, POOLED, EMBEDDINGS, ATTENTION) + ((SPARSE,) if "sparse" in spec.tasks else ()) + (
-        (LOGITS,) if "classify" in spec.tasks else ()) + ((SCORES,) if "rerank" in spec.tasks else ())
+        (LOGITS,) if "classify" in spec.tasks else ()) + (
+        (SCORES,) if "rerank" in spec.tasks or spec.vector_dim else ()) + (
+        (VECTORS, VECTOR_COUNTS) if spec.vector_dim else ())
     outputs: dict[str, str] = {}
     for i, output in enumerate(request.outputs):
         if output.name not in known:
@@ -306,8 +329,12 @@ def _requested(request: Any, allow_attention: bool, spec: ModelSpec) -> dict[str
             raise FailedPrecondition("attention output is disabled on this deployment")
         fallback = _float_param(request.parameters, "attention_datatype", "parameters.attention_datatype") \
             if output.name == ATTENTION else default
-        outputs[output.name] = _float_param(output.parameters, "datatype", f"{output.name}.parameters.datatype",
-                                            fallback)
+        outputs[output.name] = "INT64" if output.name == VECTOR_COUNTS else _float_param(
+            output.parameters, "datatype", f"{output.name}.parameters.datatype", fallback)
+    if VECTORS in outputs:
+        outputs.setdefault(VECTOR_COUNTS, "INT64")  # the rows of a padded tensor are nothing without their counts
+    elif VECTOR_COUNTS in outputs:
+        raise InvalidInput(VECTOR_COUNTS, f"comes with the {VECTORS} output")
     return outputs
 
 
@@ -452,6 +479,8 @@ def _lengths(inputs: dict[str, np.ndarray], batch: int, T: int) -> list[int]:
 def _array_of(output: Output, name: str) -> np.ndarray | None:
     if name in (SPARSE, LOGITS, SCORES):  # scores: checked as the logits they come from
         return output.scores
+    if name in (VECTORS, VECTOR_COUNTS):
+        return output.vectors if name == VECTORS else None
     return output.hidden if name == HIDDEN else output.attention if name == ATTENTION else output.pooled
 
 
@@ -479,11 +508,12 @@ class InferCall:
         return _sizes(plan, spec, padded_to, text)
 
     def datatypes(self, plan: Plan) -> dict[str, str]:
-        """Each output's datatype as sent: a quantized pooled vector is INT8 or UINT8, not a float."""
+        """Each output's datatype as sent: a quantized pooled vector is INT8 or UINT8, not a float (and token
+        vectors packed in bits likewise)."""
         if plan.vectors is None or plan.vectors.dtype is None:
             return self.outputs
         quantized = _QUANTIZED[plan.vectors.quantization]
-        return {name: quantized if name in (POOLED, EMBEDDINGS) else datatype
+        return {name: quantized if name in (POOLED, EMBEDDINGS, VECTORS) else datatype
                 for name, datatype in self.outputs.items()}
 
     def check(self, plan: Plan, results: Sequence[Output]) -> None:
@@ -501,7 +531,7 @@ def decode_infer(request: Any, params: dict[str, Any], spec: ModelSpec, config: 
     outputs = _requested(request, config.allow_attention, spec)
     inputs, texts = _inputs(request, spec, config)
     ask = _ask(request, params, outputs, spec)
-    if ask.task == "rerank":
+    if ask.task == "rerank" and not spec.vector_dim:  # a late-interaction model reranks with its token vectors
         check_task("rerank", spec, "parameters.query")  # the model's lack named before the inputs' kind
     if ask.task == "rerank" and texts is None:
         raise InvalidInput(TEXT, "required with parameters.query: the texts to rerank, one a row (BYTES)")
@@ -549,6 +579,15 @@ def infer_response(call: InferCall, ran: Ran) -> Any:
         elif name == SCORES:
             assert ran.scores is not None, "rerank scores asked for, none computed. This is a bug."
             array = np.asarray(ran.scores, np.float32)  # (B,), in the rows' order
+        elif name in (VECTORS, VECTOR_COUNTS):
+            vectors = [r.vectors for r in results if r.vectors is not None]
+            assert len(vectors) == batch, "token vectors asked for, not all returned. This is a bug."
+            if name == VECTOR_COUNTS:
+                array = np.asarray([len(v) for v in vectors], np.int64)  # (B,)
+            else:
+                array = np.zeros((batch, max(len(v) for v in vectors), vectors[0].shape[1]), vectors[0].dtype)
+                for i, v in enumerate(vectors):  # (B, n, dim), zeros past each row's count
+                    array[i, : len(v)] = v
         else:
             attention = [r.attention for r in results if r.attention is not None]
             assert len(attention) == batch, "attention asked for, not all returned. This is a bug."
@@ -567,6 +606,8 @@ def infer_response(call: InferCall, ran: Ran) -> Any:
 
 
 def _encode(array: np.ndarray, datatype: str) -> bytes:
+    if datatype == "INT64":
+        return np.ascontiguousarray(array, "<i8").tobytes()
     if datatype in ("INT8", "UINT8"):
         return np.ascontiguousarray(array, "i1" if datatype == "INT8" else "u1").tobytes()
     if datatype == "BF16":
