@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # Two steps: what running needs (requirements.txt, `make run`), then the development set on top (`make test`).
 RUN_STAMP := $(VENV)/.runtime-$(shell cat requirements.txt | cksum | cut -d' ' -f1)
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
-PROTOS := proto/attention/v1/attention.proto
+PROTOS := proto/attention/v1/attention.proto proto/tei/v1/tei.proto
 
 .PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-doors gpu-check gpu-wheels \
 	gpu-minilm fetch-mpnet test-mpnet \

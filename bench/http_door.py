@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="http-door-bench-") as tmp:
         bundle = Path(args.bundle) if args.bundle else _tiny(Path(tmp) / "tiny")
         print(f"load average before: {os.getloadavg()[0]:.2f}")
-        server = ServerProcess(bundle, "--metrics-port", "-1", "--log-level", "warning", directory=Path(tmp) / "srv")
+        # --openai-token-ids: the same ids through every door (the seeded model takes no text).
+        server = ServerProcess(bundle, "--metrics-port", "-1", "--log-level", "warning", "--openai-token-ids",
+                               directory=Path(tmp) / "srv")
         try:
             results: dict[tuple[str, int], list[tuple[float, float]]] = {}
             for door in args.doors:  # warm every path once

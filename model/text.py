@@ -328,11 +328,13 @@ class TextTokenizer:
         return side
 
     def encode(self, texts: Sequence[str], *, truncate: bool, prompt: str = "", side: str | None = None,
-               mode: str = "") -> list[Encoded]:
+               mode: str = "", specials: bool = True) -> list[Encoded]:
         """Tokenize `texts` (with `prompt` prepended). Texts over max_tokens are cut when `truncate`, on
         `side` ("right" keeps the start, "left" the end; None: the bundle's truncation_side), as Hugging
         Face's `tokenizer(text, truncation=True, max_length=max_tokens)` with that `truncation_side`;
-        else returned whole (full_length > max_tokens) for the caller to refuse.
+        else returned whole (full_length > max_tokens) for the caller to refuse. `specials` False: the
+        texts' own tokens, without the special tokens around them (`add_special_tokens=False`), cut to
+        max_tokens likewise.
 
         mode "query" or "document" (a bundle with multi-vector settings; TextError otherwise): as its authors
         encode one (module docstring); the limit is then the mode's length, marker included, and each Encoded
@@ -341,15 +343,17 @@ class TextTokenizer:
         if mode:
             return self._encode_mode(texts, truncate=truncate, prompt=prompt, mode=mode, side=side)
         texts = [prompt + t for t in texts] if prompt else list(texts)
-        room = self.settings.max_tokens - self._single.specials
+        added = self._single.specials if specials else 0
+        room = self.settings.max_tokens - added
         out = []
         for enc in self._plain.encode_batch(texts, add_special_tokens=False):
             ids, tokens = enc.ids, enc.tokens
-            full = len(ids) + self._single.specials
+            full = len(ids) + added
             if truncate and len(ids) > room:
                 keep = max(room, 0)
                 ids, tokens = _cut(ids, keep, side), _cut(tokens, keep, side)
-            out.append(self._single.build([ids], [tokens], full))
+            out.append(self._single.build([ids], [tokens], full) if specials else
+                       Encoded(np.asarray(ids, dtype=np.int64), full, list(tokens)))
         return out
 
     def _encode_mode(self, texts: Sequence[str], *, truncate: bool, prompt: str, mode: str,

@@ -79,10 +79,11 @@ def window_starts(length: int, window: int, stride: int) -> tuple[int, ...]:
     return (*range(0, length - window, stride), length - window)
 
 
-def truncated(job: Job, window: int) -> Job:
-    """`job` cut to its first `window` tokens (or embedding rows)."""
-    ids = job.token_ids[:window] if job.token_ids is not None else None
-    emb = job.embeddings[:window] if job.embeddings is not None else None
+def truncated(job: Job, window: int, side: str = "right") -> Job:
+    """`job` cut to its first `window` tokens (or embedding rows); side "left": to its last."""
+    keep = slice(None, window) if side == "right" else slice(job.length - window, None)
+    ids = job.token_ids[keep] if job.token_ids is not None else None
+    emb = job.embeddings[keep] if job.embeddings is not None else None
     return dataclasses.replace(job, token_ids=ids, embeddings=emb)
 
 

@@ -129,6 +129,16 @@ class ServiceConfig:
     small_batch_work: int = _opt(16384, "a CPU batch below this much work (batch tokens x d_model x layers) runs on "
                                         "one intra-op thread, however many it may use (0 = never)")
     warmup: bool = _opt(True, "run warm-up forwards before reporting SERVING")
+    # Names (docs/http.md "Coming from TEI")
+    served_model_name: str = _opt("", "the name the model is served as, everywhere a name is shown (OpenAI, TEI "
+                                      "/info, KServe, ModelInfo, metrics); empty = the bundle's own name")
+    model_alias: str = _opt("", "more names the model answers to (comma-separated, or the flag repeated), e.g. "
+                                "text-embedding-3-small for clients that default to it", repeat=True)
+    # TEI and OpenAI dialects (docs/http.md)
+    auto_truncate: bool = _opt(True, "TEI's and OpenAI's routes cut a text over the model's limit unless the call "
+                                     "says truncate=false (as TEI 1.9); attention.v1 and KServe keep long_inputs")
+    openai_token_ids: bool = _opt(False, "take token ids on /v1/embeddings as this model's own (off: 400, since "
+                                         "OpenAI clients such as LangChain's send tiktoken ids by default)")
     # Batching
     max_batch_tokens: int = _opt(0, "token budget of one batch, counted as batch size x padded length (0 = where "
                                     "throughput stops growing at warm-up; without warm-up 1024 on cpu, 16384 on "
@@ -250,6 +260,12 @@ class ServiceConfig:
         armed = [name for name in hooks if getattr(self, name) > 0]
         if armed and not self.allow_fault_hooks:
             raise ValueError(f"{', '.join(armed)} set, but fault hooks are refused unless allow_fault_hooks is on")
+        for name in (self.served_model_name, *self.model_aliases):
+            if not name.isprintable() or " " in name or len(name) > 256:
+                raise ValueError(f"served_model_name and model_alias must be printable, without spaces, at most "
+                                 f"256 characters; got {name[:64]!r}")
+        if len(set(self.model_aliases)) != len(self.model_aliases) or self.served_model_name in self.model_aliases:
+            raise ValueError(f"model_alias repeats a name: {self.model_alias!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
@@ -291,6 +307,9 @@ class ServiceConfig:
         if self.model and self.models:
             raise ValueError("model and models both set: give one model as model, or every model as models "
                              "(--model NAME=PATH, --models, --models-file)")
+        if self.models and (self.served_model_name or self.model_alias):
+            raise ValueError("served_model_name and model_alias name the one model of --model PATH; several models "
+                             "are named by their entries (NAME=PATH, a models file's aliases)")
         seen: dict[str, str] = {}
         for entry in self.models:
             if not isinstance(entry, ModelEntry):
@@ -318,7 +337,8 @@ class ServiceConfig:
     def for_model(self, entry: ModelEntry) -> ServiceConfig:
         """The config `entry`'s model runs with: this one, with its path as `model` and its settings over
         this one's (validated as any config is)."""
-        return dataclasses.replace(self, model=entry.path, models=(), models_file="", **dict(entry.settings))
+        return dataclasses.replace(self, model=entry.path, models=(), models_file="", served_model_name="",
+                                   model_alias="", **dict(entry.settings))
 
     @property
     def entropy_baselines(self) -> tuple[float, ...]:
@@ -333,6 +353,11 @@ class ServiceConfig:
         for v in values:
             _check("entropy_baseline", v, 0, 1)
         return values
+
+    @property
+    def model_aliases(self) -> tuple[str, ...]:
+        """model_alias parsed: the names, in order (comma-separated; a repeated flag was joined with commas)."""
+        return tuple(n.strip() for n in self.model_alias.split(",") if n.strip())
 
     @property
     def tls(self) -> bool:
@@ -372,6 +397,8 @@ class ServiceConfig:
         if values.get("models_file") and values.get("models"):
             raise ValueError("models_file and --model/--models (or ATTN_MODEL/ATTN_MODELS) both set: give the "
                              "models one way")
+        if "model_alias" in values:  # repeated, each comma-separated
+            values["model_alias"] = ",".join(values["model_alias"])
         return cls(**values)
 
 

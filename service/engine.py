@@ -254,8 +254,9 @@ class Engine:
         await self.hooks.pause("before_ready")
         if config.models:
             plans = [_Plan(e.name, e.path, e.aliases, config.for_model(e)) for e in config.model_entries]
-        else:  # the one-model form: the config as given (an empty model: the built-in default)
-            plans = [_Plan("", config.model, (), config)]
+        else:  # the one-model form: the config as given (an empty model: the built-in default), named by
+            # --served-model-name (else its manifest) with --model-alias's names
+            plans = [_Plan(config.served_model_name, config.model, config.model_aliases, config)]
         for i, plan in enumerate(plans):
             if len(plans) > 1:
                 log.info("loading model %s (%d of %d) from %s%s", plan.name or "(named by its manifest)", i + 1,

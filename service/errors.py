@@ -4,6 +4,7 @@
     ├── InvalidInput        INVALID_ARGUMENT    the request is wrong whatever the server's state
     │   ├── NonFiniteInput  INVALID_ARGUMENT    NaN/Inf in input embeddings (counted apart)
     │   ├── OutputOverflow  INVALID_ARGUMENT    a finite result the asked output dtype cannot hold
+    │   ├── EmptyInput      INVALID_ARGUMENT    (HTTP 400) a call with nothing in it (TEI's `Empty`)
     │   ├── TooLarge        INVALID_ARGUMENT    (HTTP 413) a body or a count in it over the limits
     │   ├── ReadTimeout     INVALID_ARGUMENT    (HTTP 408) a body that did not arrive in time
     │   ├── NotAcceptable   INVALID_ARGUMENT    (HTTP 404/405/400) no such route or method, a malformed request
@@ -54,6 +55,10 @@ class NonFiniteInput(InvalidInput):
 
 class OutputOverflow(InvalidInput):
     """The result is finite, but not in the dtype asked for (FLOAT16 past 65504): service/output_range.py."""
+
+
+class EmptyInput(InvalidInput):
+    """A call with nothing in it (no inputs, no texts): HTTP 400, TEI's error_type `Empty`."""
 
 
 class TooLarge(InvalidInput):
@@ -147,6 +152,7 @@ REASON_OF: dict[type[ServiceError], str] = {
     InvalidInput: "invalid_argument",
     NonFiniteInput: "nonfinite_input",
     OutputOverflow: "output_overflow",
+    EmptyInput: "empty_input",
     TooLarge: "too_large",
     ReadTimeout: "read_timeout",
     NotAcceptable: "not_acceptable",

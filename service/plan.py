@@ -82,6 +82,7 @@ class Ask:
     causal: bool = False
     long_inputs: str | None = None  # error | truncate | chunk; None: what `truncate` says
     truncate: bool = False
+    truncation_side: str | None = None  # a cut keeps the start ("right") or the end ("left"); None: the bundle's
     chunk_stride: int = 0
     prompt_name: str = ""
     return_tokens: bool = False
@@ -305,7 +306,8 @@ def plan(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, respons
             windows.append((i, limits[i]))
         jobs.append(job)
     if windows:
-        jobs, chunks, cut = _fit(jobs, windows, long, names, lambda i: names.of(i, _kind(inputs[i])))
+        jobs, chunks, cut = _fit(jobs, windows, long, names, lambda i: names.of(i, _kind(inputs[i])),
+                                 _side(ask, spec))
         fitted = Plan(ask.request_id, jobs, output_dtype, attention_dtype, texts, ask.return_tokens, chunks, cut,
                       vectors=vectors, sparse=ask.sparse)
     else:
@@ -323,6 +325,13 @@ def _kind(item: np.ndarray | str | tuple[str, str]) -> str:
 
 HEAD_TASKS = ("classify", "rerank")
 MULTI_VECTOR_MODES = ("query", "document")
+
+
+def _side(ask: Ask, spec: ModelSpec) -> str:
+    """The side a cut of the call's ids or embeddings keeps: the call's, else its text bundle's, else the end's."""
+    if ask.truncation_side is not None:
+        return ask.truncation_side
+    return spec.tokenizer.settings.truncation_side if spec.tokenizer is not None else "right"
 
 
 def check_task(task: str, spec: ModelSpec, field: str) -> None:
@@ -374,7 +383,8 @@ def plan_head(ask: Ask, spec: ModelSpec, config: ServiceConfig, names: Names, re
         raise InvalidInput(names.chunk_stride, f"applies to chunked embeddings, not to {ask.task}")
     truncate = ask.long_inputs == TRUNCATE or (ask.truncate and ask.long_inputs is None)
     encoded = tokenize(pairs, spec, config, fields=[names.of(i, _kind(ask.inputs[i])) for i in range(len(pairs))],
-                       truncate=truncate, all_field=names.texts, counted=" (a query counted once per text)"
+                       truncate=truncate, side=ask.truncation_side, all_field=names.texts,
+                       counted=" (a query counted once per text)"
                        if ask.task == "rerank" else "", hint="shorten it, or set truncate to cut it")
     total = 0
     jobs: list[Job] = []
@@ -482,7 +492,7 @@ def _check_tokens(lengths: list[int], limits: list[int], long: LongInputs, confi
 
 
 def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, names: Names,
-         field: Callable[[int], str]) -> tuple[list[Job], tuple[Chunked | None, ...], tuple[bool, ...]]:
+         field: Callable[[int], str], side: str) -> tuple[list[Job], tuple[Chunked | None, ...], tuple[bool, ...]]:
     """The call's jobs once some sequences are longer than the model, each cut or planned in windows as
     the call asks (ERROR was refused before), with Plan's `chunks` and `truncated`."""
     if long.mode == CHUNK:
@@ -500,7 +510,7 @@ def _fit(jobs: list[Job], windows: list[tuple[int, int]], long: LongInputs, name
         if i not in long_at:
             out.append(job)
         elif long.mode == TRUNCATE:
-            out.append(truncated(job, long_at[i]))
+            out.append(truncated(job, long_at[i], side))
         else:
             chunk = Chunked.plan(job, long_at[i], long.step(long_at[i]))
             out.extend(chunk.jobs())
@@ -600,8 +610,8 @@ def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs
     # A late-interaction encoding cuts to its mode's length, as its authors' encoders always do.
     encoded = tokenize([t for t in texts if isinstance(t, str)], spec, config,
                        fields=[names.of(i, "text") for i in where], truncate=long.mode == TRUNCATE or bool(mode),
-                       keep_long=long.mode == CHUNK, prompt_name=ask.prompt_name, all_field=names.texts,
-                       prompt_field=names.prompt_name, mode=mode)
+                       side=ask.truncation_side, keep_long=long.mode == CHUNK, prompt_name=ask.prompt_name,
+                       all_field=names.texts, prompt_field=names.prompt_name, mode=mode)
     out: list[Encoded | None] = [None] * len(ask.inputs)
     for i, enc in zip(where, encoded, strict=True):
         out[i] = enc
@@ -609,14 +619,17 @@ def _tokenize(ask: Ask, spec: ModelSpec, config: ServiceConfig, long: LongInputs
 
 
 def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: ServiceConfig, *,
-             fields: Sequence[str], truncate: bool, prompt_name: str = "", all_field: str = "sequences",
-             prompt_field: str = "output.prompt_name", keep_long: bool = False, counted: str = "",
-             hint: str = "shorten it, or set truncate to cut it (or chunk it)", mode: str = "") -> list[Encoded]:
+             fields: Sequence[str], truncate: bool, side: str | None = None, prompt_name: str = "",
+             all_field: str = "sequences", prompt_field: str = "output.prompt_name", keep_long: bool = False,
+             counted: str = "", hint: str = "shorten it, or set truncate to cut it (or chunk it)", mode: str = "",
+             specials: bool = True) -> list[Encoded]:
     """`texts` (each a text, or a pair of texts as the model's tokenizer pairs them) -> token ids with the
     model's tokenizer, every limit checked: the characters of the call before tokenizing (`counted` says
-    how, in the message), each sequence's tokens (over the limit: refused, cut with `truncate`, or kept
-    whole with `keep_long`, to be chunked) and the ids against the vocabulary after. `fields` name each
-    sequence in errors. The one tokenization of every call: encoding, head tasks and Tokenize."""
+    how, in the message), each sequence's tokens (over the limit: refused, cut with `truncate` on `side`
+    (None: the bundle's truncation side), or kept whole with `keep_long`, to be chunked) and the ids against
+    the vocabulary after. `fields` name each sequence in errors. `specials` False (Tokenize only): a text's
+    tokens without the model's special tokens. The one tokenization of every call: encoding, head tasks and
+    Tokenize."""
     tokenizer = spec.tokenizer
     takes_text(spec, fields[0])
     assert tokenizer is not None
@@ -632,13 +645,15 @@ def tokenize(texts: Sequence[str | tuple[str, str]], spec: ModelSpec, config: Se
         raise InvalidInput(prompt_field, f"unknown prompt; the model has {known}") from None
     singles = [i for i, t in enumerate(texts) if isinstance(t, str)]
     if len(singles) == len(texts):  # the common call
-        encoded = tokenizer.encode([str(t) for t in texts], truncate=truncate, prompt=prompt, mode=mode)
+        encoded = tokenizer.encode([str(t) for t in texts], truncate=truncate, prompt=prompt, side=side, mode=mode,
+                                   specials=specials)
     else:
         doubles = [i for i, t in enumerate(texts) if isinstance(t, tuple)]
         found: dict[int, Encoded] = dict(zip(singles, tokenizer.encode([str(texts[i]) for i in singles],
-                                                                      truncate=truncate, prompt=prompt), strict=True))
+                                                                      truncate=truncate, prompt=prompt, side=side),
+                                             strict=True))
         found.update(zip(doubles, tokenizer.encode_pairs([texts[i] for i in doubles],  # type: ignore[misc]
-                                                         truncate=truncate), strict=True))
+                                                         truncate=truncate, side=side), strict=True))
         encoded = [found[i] for i in range(len(texts))]
     limit = _text_window(spec, mode)
     for field, enc in zip(fields, encoded, strict=True):

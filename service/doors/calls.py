@@ -18,6 +18,7 @@ grpc or aiohttp.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -183,6 +184,7 @@ class Ran:
     labels: list[np.ndarray] | None = None  # classify: each sequence's label scores, in the model's label order
     scores: list[float] | None = None  # rerank: each text's score, in the call's order
     ranking: list[int] | None = None  # rerank: the top_n texts' indices, highest score first
+    plan_s: float = 0.0  # how long planning (tokenizing) took: TEI's tokenization time
 
     @property
     def batch(self) -> Batch:
@@ -228,36 +230,41 @@ class Calls:
         task (the module docstring). Raises the `ServiceError` its caller gets."""
         spec = model.spec
         CALL_MODEL.set(spec.name)  # the call's metrics are this model's (a door may have looked up another first)
+        started = time.perf_counter()
         try:
             plan = await plan_call(ask, spec, model.config or self.config, names, response_size)
         except NonFiniteInput:
             self.metrics.nonfinite_inputs.inc()
             raise
+        plan_s = time.perf_counter() - started
         done = await self.compute(model, plan.jobs, seconds)
         outputs = plan.finish([d.output for d in done])
         check(plan, outputs)
-        ran = Ran(plan, spec, done, outputs)
+        ran = Ran(plan, spec, done, outputs, plan_s=plan_s)
         if plan.task == "classify":
             labels = [label_scores(x, spec.problem_type, plan.raw_scores) for x in ran.logits]
-            return Ran(plan, spec, done, outputs, labels=labels)
+            return dataclasses.replace(ran, labels=labels)
         if plan.task == "rerank":
             if plan.late is not None:  # a late-interaction model: token vectors, scored as its authors score them
                 scores = late_scores(outputs, *plan.late, spec.colbert_reduce)
                 return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
             scores = rerank_scores(ran.logits, plan.raw_scores)
-            return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
+            return dataclasses.replace(ran, scores=scores, ranking=ranked(scores, plan.top_n))
         return ran
 
     async def tokenize(self, model: Model, texts: Sequence[str], *, field: str, truncate: bool,
-                       prompt_name: str = "", prompt_field: str = "prompt_name") -> list[Encoded]:
+                       prompt_name: str = "", prompt_field: str = "prompt_name", side: str | None = None,
+                       specials: bool = True) -> list[Encoded]:
         """`texts` tokenized as an encoding call would tokenize them (service/plan.py `tokenize`: limits,
-        prompt, truncation, errors naming `field[i]`), in a worker thread when the call is big."""
+        prompt, truncation on `side`, errors naming `field[i]`; `specials` False: without the special
+        tokens), in a worker thread when the call is big."""
         config = model.config or self.config
         check_count(len(texts), config, field, "texts")
 
         def work() -> list[Encoded]:
             return tokenize(texts, model.spec, config, fields=[f"{field}[{i}]" for i in range(len(texts))],
-                            truncate=truncate, prompt_name=prompt_name, all_field=field, prompt_field=prompt_field)
+                            truncate=truncate, side=side, prompt_name=prompt_name, all_field=field,
+                            prompt_field=prompt_field, specials=specials)
 
         if sum(len(t) for t in texts) > INLINE_CHARS:
             return await asyncio.to_thread(work)

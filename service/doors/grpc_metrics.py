@@ -2,7 +2,9 @@
 
 Every RPC (health included) in the conventional `grpc_server_*` families; unary calls of the front
 doors (`services`) also in `attention_requests_total` and its duration, in the same step, so the two
-always agree. A stream's requests are counted one by one by its servicer (service/doors/attention_v1.py).
+always agree, `method` being the RPC's name (or a door's own label for it, `labels`: tei.v1's RPCs, some of
+whose names attention.v1's have too, are "tei.v1.Rerank/Rerank"). A stream's requests are counted one by one
+by its servicer (service/doors/attention_v1.py, service/doors/tei_v1.py).
 
 The wrapped handler of a method, and its metric children, are built once and reused: grpcio asks
 the interceptor for every call, and building them (`labels()` looks up a child under a lock) cost
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -34,9 +36,10 @@ def _code_name(context: grpc.aio.ServicerContext) -> str:
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
-    def __init__(self, metrics: Metrics, services: Sequence[str]) -> None:
+    def __init__(self, metrics: Metrics, services: Sequence[str], labels: Mapping[str, str] | None = None) -> None:
         self._metrics = metrics
         self._services = frozenset(services)
+        self._labels = dict(labels or {})  # service -> its methods' label, "{method}" in it
         # method -> (the handler grpcio found, ours around it). Only methods that have a handler get
         # here, so it holds at most one entry per registered method.
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -68,6 +71,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
         handled: dict[str, Any] = {}  # code -> its grpc_server_handled_total child
 
         per_call = not handler.response_streaming and not streaming_in and service in self._services
+        label = self._labels.get(service, "{method}").format(method=method)
 
         def finish(code: str, started: float) -> None:
             seconds = time.perf_counter() - started
@@ -77,7 +81,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             child.inc()
             handling.observe(seconds)
             if per_call:
-                m.observe_request(method, code, seconds, CALL_MODEL.get())
+                m.observe_request(label, code, seconds, CALL_MODEL.get())
 
         async def observed(call: Awaitable[Any], context: grpc.aio.ServicerContext) -> Any:
             """Await a handler that is a coroutine (unary, or streaming by `context.write()`), counted."""

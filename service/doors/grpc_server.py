@@ -79,7 +79,8 @@ class GrpcServer:
 
 
 class GrpcDoor(Protocol):
-    """A gRPC door: its service's full name (for metrics, reflection and the ledger) and its handlers."""
+    """A gRPC door: its service's full name (for metrics, reflection and the ledger) and its handlers. A door
+    may also have METHOD_LABEL, its RPCs' `method` label in attention_requests_total ("{method}" in it)."""
 
     SERVICE_NAME: str
 
@@ -91,8 +92,9 @@ def build_grpc_server(config: ServiceConfig, doors: Sequence[GrpcDoor], metrics:
     """The gRPC server with `doors`, health and reflection, bound to config.host:config.port. Raises
     RuntimeError "Failed to bind" when the port is taken (so_reuseport 0: no silent sharing)."""
     services = [door.SERVICE_NAME for door in doors]
+    labels = {door.SERVICE_NAME: door.METHOD_LABEL for door in doors if hasattr(door, "METHOD_LABEL")}
     # Outer to inner: auth (below), metrics, the bounded wait for a unary call's message.
-    interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics, services),
+    interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(metrics, services, labels),
                                                        MessageWaitInterceptor(config.default_timeout_s)]
     tokens = load_tokens(config)
     if tokens:

@@ -13,9 +13,10 @@ the call's context.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import any_pb2
@@ -29,6 +30,7 @@ from service.doors.calls import CALL_MODEL, Calls, being_cancelled
 from service.errors import InvalidInput, Overloaded, ServiceError, status_of
 
 MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
+T = TypeVar("T")
 
 
 def deadline_passed(context: grpc.aio.ServicerContext) -> bool:
@@ -86,17 +88,26 @@ class Rpc:
             raise asyncio.CancelledError from None
         raise AssertionError("abort returned. This is a bug.")
 
-    async def stream(self, requests: AsyncIterator[bytes],
-                     one: Callable[[bytes], Awaitable[bytes]]) -> AsyncGenerator[bytes, None]:
+    async def stream(self, requests: AsyncIterator[bytes], one: Callable[[bytes], Awaitable[T]], *,
+                     ordered: bool = False) -> AsyncGenerator[T, None]:
         """A bidirectional stream: each request answered by `one` (which answers its own failures, see
-        `answer_in_stream`), in completion order.
+        `answer_in_stream`), in completion order, or with `ordered` in the order of the requests (tei.v1's
+        messages carry no id, and TEI keeps the order). An answer is the response's bytes (or what the door
+        makes of a failure: attention.v1 an EncodeResponse with `error` set, tei.v1 the error that ends the
+        stream).
 
-        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once:
-        a request holds its slot until its answer is taken for sending, and the answers waiting are
-        bounded too, so a caller that sends and never reads stops being read (HTTP/2 flow control
-        then holds its sends) instead of growing the server's memory."""
+        At most `max_stream_inflight` requests of a stream are computed or waiting to be sent at once
+        (`ordered`: or waiting for an earlier one, give or take the two being handed over): a request holds
+        its slot until its answer is taken for sending, and the answers waiting are bounded too, so a caller
+        that sends and never reads stops being read (HTTP/2 flow control then holds its sends) instead of
+        growing the server's memory."""
         limit = self.config.max_stream_inflight
-        out: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=limit)
+        if ordered:
+            async with contextlib.aclosing(_in_order(requests, one, limit)) as answers:
+                async for answer in answers:
+                    yield answer
+            return
+        out: asyncio.Queue[T | None] = asyncio.Queue(maxsize=limit)
         slots = asyncio.Semaphore(limit)
         tasks: set[asyncio.Task[None]] = set()
 
@@ -127,8 +138,8 @@ class Rpc:
             for task in (reader, *tasks):
                 task.cancel()
 
-    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[bytes]],
-                               failed: Callable[[ServiceError], bytes]) -> bytes:
+    async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[T]],
+                               failed: Callable[[ServiceError], T]) -> T:
         """One request of a stream: `work()`, or `failed(error)` with the error a caller sees; counted
         in attention_requests_total. The stream goes on either way (unless the call is being cancelled)."""
         started = time.perf_counter()
@@ -144,6 +155,34 @@ class Rpc:
             response, code = failed(error), status_of(error)
         self.calls.metrics.observe_request(method, code, time.perf_counter() - started, CALL_MODEL.get())
         return response
+
+
+async def _in_order(requests: AsyncIterator[bytes], one: Callable[[bytes], Awaitable[T]],
+                    limit: int) -> AsyncGenerator[T, None]:
+    """`Rpc.stream`'s ordered loop: each request's task queued in order (at most `limit` waiting), each
+    answer yielded once it and every earlier one are done."""
+    pending: asyncio.Queue[asyncio.Future[T] | None] = asyncio.Queue(maxsize=limit)
+    tasks: set[asyncio.Future[T]] = set()
+
+    async def read() -> None:
+        try:
+            async for raw in requests:
+                task = asyncio.ensure_future(one(raw))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                await pending.put(task)
+        finally:
+            await pending.put(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (task := await pending.get()) is not None:
+            yield await task
+        await reader  # surfaces a broken request stream
+    finally:
+        reader.cancel()
+        for waiting in list(tasks):
+            waiting.cancel()
 
 
 INLINE_BYTES = 64 << 10  # a bigger request message is parsed, and a bigger answer serialized, in a worker thread

@@ -54,7 +54,7 @@ def test_no_header_is_the_default_and_two_are_refused() -> None:
 
 
 async def test_malformed_and_too_short_deadlines_in_every_dialect(start_server: Any, fault_bundle: Path) -> None:
-    s = await start_server(bundle=fault_bundle, http_port=0)
+    s = await start_server(bundle=fault_bundle, http_port=0, openai_token_ids=True)  # an ids-only model
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{s.server.http_port}", timeout=30) as http:
         for path, body in ROUTES.values():
             ok = await http.post(path, json=body, headers={"grpc-timeout": "10S"})
@@ -79,7 +79,8 @@ async def test_malformed_and_too_short_deadlines_in_every_dialect(start_server: 
 async def test_a_deadline_passes_in_the_queue_a_longer_one_is_honoured_none_is_the_default(
         start_server: Any, fault_bundle: Path) -> None:
     faults.reset()
-    s: Running = await start_server(bundle=fault_bundle, http_port=0, model_workers=1, default_timeout_s=0.5)
+    s: Running = await start_server(bundle=fault_bundle, http_port=0, model_workers=1, default_timeout_s=0.5,
+                                    openai_token_ids=True)  # an ids-only model
     path, body = EMBED
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{s.server.http_port}", timeout=60) as http:
         held = asyncio.ensure_future(s.stub.Encode(ids_request([faults.HANG, 1]), timeout=60))
@@ -93,7 +94,7 @@ async def test_a_deadline_passes_in_the_queue_a_longer_one_is_honoured_none_is_t
             default = await http.post(path, json=body)
             assert default.status_code == 504, default.text
             tei = await http.post("/embed", json={"inputs": [[1, 2]]}, headers={"grpc-timeout": "100m"})
-            assert tei.status_code == 504 and tei.json()["error_type"] == "backend", tei.text
+            assert tei.status_code == 504 and tei.json()["error_type"] == "Backend", tei.text
             assert not patient.done()
         finally:
             faults.HANG_RELEASE.set()

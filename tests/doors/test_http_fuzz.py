@@ -49,7 +49,8 @@ infer = st.fixed_dictionaries({"inputs": st.lists(tensors, max_size=3)}, optiona
 @pytest.fixture(scope="module", params=["one process", "edge processes"])
 def server(request: pytest.FixtureRequest, tiny_bundle: Path,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    flags = ["--max-attention-bytes", "200000", "--max-message-bytes", str(1 << 20)]
+    flags = ["--max-attention-bytes", "200000", "--max-message-bytes", str(1 << 20),
+             "--openai-token-ids"]  # the tiny model takes ids only
     if request.param == "edge processes":
         flags += ["--edge-processes", "2"]
     process = ServerProcess(tiny_bundle, *flags, directory=tmp_path_factory.mktemp("http-fuzz"))

@@ -156,7 +156,7 @@ async def test_every_door_refuses_a_result_its_16_bit_dtype_cannot_hold(
 
 async def test_every_door_answers_a_nonfinite_output_as_its_internal_error(
         start_server: Callable[..., Any], fault_bundle: Path) -> None:
-    s = await start_server(bundle=fault_bundle, http_port=0)
+    s = await start_server(bundle=fault_bundle, http_port=0, openai_token_ids=True)  # an ids-only model
     ids = [1, 2, faults.NAN_ALWAYS, 3]
 
     async def encode() -> str:

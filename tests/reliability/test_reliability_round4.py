@@ -53,6 +53,12 @@ def bodies(size: int) -> dict[str, tuple[str, bytes]]:
         "kserve ids": ("/v2/models/tiny/infer", b'{"inputs":[{"name":"input_ids","datatype":"INT64","shape":[1,'
                        + str(ids.count(b",") + 1).encode() + b'],"data":[' + ids + b"]}]}"),
         "encode sequences": ("/v1/encode", b'{"sequences":[' + _rows(b"{}", size) + b"]}"),
+        "root rows": ("/", b'{"inputs":[' + ids_rows + b"]}"),
+        "invocations rows": ("/invocations", b'{"inputs":[' + ids_rows + b'],"parameters":{}}'),
+        "embeddings rows": ("/embeddings", b'{"model":"tiny","input":[' + ids_rows + b"]}"),
+        "similarity strings": ("/similarity", b'{"inputs":{"source_sentence":"a","sentences":[' + strings + b"]}}"),
+        "rerank documents": ("/v1/rerank", b'{"query":"q","documents":[' + strings + b"]}"),
+        "rerank objects": ("/v2/rerank", b'{"query":"q","documents":[' + _rows(b'{"text":"a"}', size) + b"]}"),
     }
 
 

@@ -151,7 +151,7 @@ def _closure(module: str) -> set[str]:
 # Only the assembly (service/doors/build.py) knows them all.
 DOORS = ("service.doors.attention_v1", "service.doors.kserve.grpc_door", "service.doors.kserve.rest",
          "service.doors.http.openai", "service.doors.http.tei", "service.doors.http.encode",
-         "service.doors.http.pooling")
+         "service.doors.http.pooling", "service.doors.http.rerank", "service.doors.tei_v1")
 # Private names of another module that a module may read, each for a stated reason.
 PRIVATE_ALLOWED = {
     ("service.metrics", "_type"), ("service.metrics", "_name"), ("service.metrics", "_labelnames"),  # prometheus

@@ -6,10 +6,12 @@ max_message_bytes before any compute).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from service.doors.calls import Ran
-from service.errors import InvalidInput
+from service.errors import EmptyInput, InvalidInput
 from service.jobs import ModelSpec
 from service.plan import Ask, Names, Plan, Sizes
 
@@ -25,8 +27,10 @@ def decode_inputs(value: object, field: str, *, max_inputs: int, max_ids: int,
     shape = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
     if isinstance(value, str):
         return [value]
-    if not isinstance(value, list) or not value:
-        raise InvalidInput(field, f"must be {shape} (not empty)")
+    if isinstance(value, list) and not value:
+        raise EmptyInput(field, "cannot be empty")
+    if not isinstance(value, list):
+        raise InvalidInput(field, f"must be {shape}")
     if len(value) > max(max_inputs, max_ids):  # too many for either form: nothing of it is looked at
         raise too_many(field, f"batch size {len(value)} > maximum allowed batch size {max_inputs}")
     if all(isinstance(v, str) for v in value):
@@ -89,16 +93,18 @@ def json_size(plan: Plan, spec: ModelSpec) -> Sizes:
 
 
 
-def pooled_ask(spec: ModelSpec, inputs: Inputs, *, normalize: bool | None, truncate: bool = False,
-               prompt_name: str = "", hidden: bool = False, dimensions: int | None = None,
-               sparse: bool = False) -> Ask:
+def pooled_ask(spec: ModelSpec, inputs: Sequence[str | np.ndarray], *, normalize: bool | None,
+               truncate: bool = False, side: str | None = None, prompt_name: str = "", hidden: bool = False,
+               dimensions: int | None = None, sparse: bool = False) -> Ask:
     """An embedding route's call: each sequence's pooled vector (a text bundle's own pooling, else mean; cut
-    to `dimensions`), or its hidden states (`hidden`), or its SPLADE vector (`sparse`)."""
+    to `dimensions`), or its hidden states (`hidden`), or its SPLADE vector (`sparse`); a long one cut on
+    `side` with `truncate` (None: the model's side)."""
     if sparse:
-        return Ask(inputs=inputs, return_hidden=False, truncate=truncate, prompt_name=prompt_name, sparse=(0, 0.0))
+        return Ask(inputs=inputs, return_hidden=False, truncate=truncate, truncation_side=side,
+                   prompt_name=prompt_name, sparse=(0, 0.0))
     return Ask(inputs=inputs, return_hidden=hidden, normalize=None if hidden else normalize,
                pooling="none" if hidden else "model" if spec.tokenizer is not None else "mean",
-               truncate=truncate, prompt_name=prompt_name, dimensions=dimensions)
+               truncate=truncate, truncation_side=side, prompt_name=prompt_name, dimensions=dimensions)
 
 
 def pooled(ran: Ran) -> list[np.ndarray]:

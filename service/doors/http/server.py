@@ -85,7 +85,8 @@ class HttpDoor:
         self._ssl = ssl_context(config)
         # For a path no route has: the dialect of the longest prefix it starts with.
         self._prefixes = sorted(((d.prefix, d.dialect) for d in dialects), key=lambda p: -len(p[0]))
-        self._health = frozenset(r.path for d in dialects for r in d.routes if r.health)
+        # (verb, path) of the health routes: GET / is health, POST / is not (TEI's root routes).
+        self._health = frozenset((r.verb, r.path) for d in dialects for r in d.routes if r.health)
         self.app = web.Application(client_max_size=config.max_message_bytes, middlewares=[self._middleware])
         for d in dialects:
             for route in d.routes:
@@ -132,7 +133,8 @@ class HttpDoor:
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self._checker is not None and request.path not in self._health:
+        verb = "GET" if request.method == "HEAD" else request.method
+        if self._checker is not None and (verb, request.path) not in self._health:
             reason = self._checker.refusal(request.headers.items())
             if reason is not None:
                 self._calls.metrics.auth_failures.labels(reason).inc()

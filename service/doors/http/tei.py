@@ -1,29 +1,52 @@
-"""Text Embeddings Inference's routes, in TEI's shapes and status codes:
+"""Text Embeddings Inference's HTTP routes, in the shapes, status codes and error types of TEI 1.9.3's OpenAPI
+document (tests/data/tei/openapi.json):
 
-POST /embed      {"inputs", "normalize" (true), "truncate" (false), "truncation_direction" ("right"),
-                  "prompt_name", "dimensions"} -> [[float]]
-POST /embed_all  {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[[float]]] (token embeddings)
+POST /embed        {"inputs", "normalize" (true), "truncate", "truncation_direction" ("Right"), "prompt_name",
+                    "dimensions"} -> [[float]]
+POST /embed_all    {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[[float]]] (token embeddings)
 POST /embed_sparse {"inputs", "truncate", "truncation_direction", "prompt_name"} -> [[{"index", "value"}]] (SPLADE,
-                  the non-zero entries, indices ascending)
-POST /tokenize   {"inputs", "add_special_tokens" (true), "prompt_name"} -> [[{"id", "text", "special",
-                  "start", "stop"}]] (start/stop: null, offsets are not kept)
-POST /decode     {"ids", "skip_special_tokens" (true)} -> [str]
-POST /rerank     {"query", "texts", "truncate" (false), "raw_scores" (false), "return_text" (false),
-                  "truncation_direction", "top_n" (ours; all)} -> [{"index", "score"[, "text"]}], highest first
-POST /predict    {"inputs": "text" | ["first", "second"] (one pair) | [["text"] or ["first", "second"], ...],
-                  "truncate", "raw_scores", "truncation_direction"} -> [{"score", "label"}] (highest first) for one
-                  input, [[...]] for a batch
-GET  /info, GET /health
+                    the non-zero entries, indices ascending)
+POST /similarity   {"inputs": {"source_sentence", "sentences"}, "parameters": {"truncate", "truncation_direction",
+                    "prompt_name"}} -> [float] (each sentence's cosine with the source, vectors unnormalised)
+POST /rerank       {"query", "texts", "truncate", "raw_scores" (false), "return_text" (false),
+                    "truncation_direction", "top_n" (ours; all)} -> [{"index", "score"[, "text"]}], highest first
+POST /predict      {"inputs": "text" | ["first", "second"] (one pair) | [["text"] or ["first", "second"], ...],
+                    "truncate", "raw_scores", "truncation_direction"} -> [{"score", "label"}] (highest first) for
+                    one input, [[...]] for a batch
+POST /tokenize     {"inputs", "add_special_tokens" (true), "prompt_name"} -> [[{"id", "text", "special", "start",
+                    "stop"}]] (start/stop: null, offsets are not kept)
+POST /decode       {"ids", "skip_special_tokens" (true)} -> [str]
+POST / and /invocations: the route of the model's type (service/doors/tei_wire.py `root_route`), as TEI routes
+                    them: /rerank (a reranker), /predict (a classifier), /embed_sparse (SPLADE), else /embed,
+                    or /similarity when the body's inputs is {"source_sentence", "sentences"} (TEI needs its
+                    TASK=sentence-similarity for that; /embed never takes an object, so the body says which)
+GET  /info (TEI's Info), GET /health, / and /ping (health)
 
-Errors: {"error", "error_type"}; 413 more inputs than max_sequences_per_call, or a body over
-max_message_bytes; 422 invalid input; 424 a model failure; 429 overloaded (Retry-After); 503 not
-ready or draining. `truncation_direction` other than the bundle's own side is refused (422).
+Fields:
+- Unknown fields are ignored, as TEI ignores them (its serde default): huggingface_hub and LangChain send
+  "parameters" with every call. The TEI options of a route are also read from "parameters" (the body of a
+  Hugging Face Inference Endpoints client), a top-level field winning; on /similarity "parameters" is TEI's own.
+- `truncate` unset or null: the `auto_truncate` setting (on by default, as TEI 1.9; reported in /info).
+- `truncation_direction` "Right" keeps a text's start, "Left" its end (any case), for texts and pairs alike.
+- An empty text is embedded (its special tokens alone), as TEI embeds it; an empty batch is 400 `Empty`.
+- /predict with "parameters" in the body and a single input (huggingface_hub's text_classification) answers
+  [[...]], the Inference API's shape (also TEI's batch shape), which that client reads.
+
+Answers carry TEI's headers: x-compute-time, x-total-time, x-tokenization-time, x-queue-time, x-inference-time
+(milliseconds), x-compute-characters, x-compute-tokens, x-compute-type (the device).
+
+Errors: {"error", "error_type"} with TEI's error types: 400 Empty; 413 Validation, more inputs than
+max_sequences_per_call or a body over max_message_bytes; 422 Validation, invalid input, a text over the
+model's limit with truncate false (as TEI's own code answers it; its document lists 413 for "Batch size error"
+and 422 for the rest); 424 Backend, a model failure; 429 Overloaded (Retry-After); 503 Unhealthy, not ready or
+draining; 504 Backend, the caller's deadline passed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +55,7 @@ from aiohttp import web
 
 from model.text import special_ids
 from service.config import ServiceConfig
-from service.doors.calls import Calls
+from service.doors.calls import Calls, Model, Ran
 from service.doors.http import deadline
 from service.doors.http.inputs import Inputs, decode_inputs, json_size, names, pooled, pooled_ask
 from service.doors.http.wire import (
@@ -42,44 +65,58 @@ from service.doors.http.wire import (
     json_answer,
     json_object,
     json_response,
-    known_fields,
+    kind,
     optional,
     read_json,
     text_values,
 )
-from service.errors import InvalidInput, ServiceError, TooLarge, status_of
+from service.doors.tei_wire import Timing, characters, error_type, info, root_route, side
+from service.errors import EmptyInput, InvalidInput, ServiceError, TooLarge
 from service.jobs import ModelSpec
 from service.plan import Ask, head_response_bytes
 from service.tasks import sparse_entries
 
-SERVER_VERSION = "0.1.0"  # pyproject.toml's
 INLINE_IDS = 4096  # /decode of more ids runs in a worker thread
-
-EMBED = frozenset({"inputs", "normalize", "truncate", "truncation_direction", "prompt_name", "dimensions"})
-EMBED_ALL = frozenset({"inputs", "truncate", "truncation_direction", "prompt_name"})
-TOKENIZE = frozenset({"inputs", "add_special_tokens", "prompt_name"})
-DECODE = frozenset({"ids", "skip_special_tokens"})
-RERANK = frozenset({"query", "texts", "truncate", "raw_scores", "return_text", "truncation_direction", "top_n"})
-PREDICT = frozenset({"inputs", "truncate", "raw_scores", "truncation_direction"})
-_ERROR_TYPES = {"INVALID_ARGUMENT": "validation", "FAILED_PRECONDITION": "validation", "NOT_FOUND": "validation",
-                "RESOURCE_EXHAUSTED": "overloaded", "UNAVAILABLE": "unhealthy", "DEADLINE_EXCEEDED": "backend",
-                "UNAUTHENTICATED": "validation", "INTERNAL": "backend", "CANCELLED": "backend"}
 
 
 def error_body(error: ServiceError, status: int) -> dict[str, Any]:
-    return {"error": error.message, "error_type": _ERROR_TYPES.get(status_of(error), "backend")}
+    return {"error": error.message, "error_type": error_type(error)}
 
 
 DIALECT = Dialect("tei", error_body, invalid=422, internal=424)
 
 
-@dataclass(frozen=True)
-class EmbedCall:
-    inputs: Inputs
-    normalize: bool
-    truncate: bool
-    prompt_name: str
-    dimensions: int | None
+class Fields:
+    """A TEI body's options: its own fields, else the same under "parameters" (Hugging Face Inference Endpoints
+    clients put them there). Values are type-checked wherever they are found."""
+
+    def __init__(self, body: dict[str, Any], config: ServiceConfig, nested: bool = True) -> None:
+        self._body = body
+        self._config = config
+        params = body.get("parameters") if nested else None
+        if params is not None and not isinstance(params, dict):
+            raise InvalidInput("parameters", f"must be an object; got {kind(params)}")
+        self._params: Mapping[str, Any] = params or {}
+
+    def get(self, name: str, types: type | tuple[type, ...], default: Any, what: str) -> Any:
+        if self._body.get(name) is not None or name not in self._params:
+            return optional(self._body, name, types, default, what)
+        try:
+            return optional(self._params, name, types, default, what)
+        except InvalidInput as exc:
+            raise InvalidInput(f"parameters.{name}", exc.description) from None
+
+    def truncate(self) -> bool:
+        """`truncate`; unset or null: the auto_truncate setting."""
+        return bool(self.get("truncate", bool, self._config.auto_truncate, "a boolean"))
+
+    def side(self) -> str | None:
+        """`truncation_direction` as the side a cut keeps; None when unset (the model's own, right for TEI's)."""
+        value = self.get("truncation_direction", str, None, "\"Right\" or \"Left\"")
+        return None if value is None else side(value, "truncation_direction")
+
+    def prompt_name(self) -> str:
+        return str(self.get("prompt_name", str, "", "a string"))
 
 
 def _inputs(body: dict[str, Any], config: ServiceConfig) -> Inputs:
@@ -89,41 +126,82 @@ def _inputs(body: dict[str, Any], config: ServiceConfig) -> Inputs:
                          max_ids=config.max_tokens_per_call, too_many=TooLarge)
 
 
-def _direction(body: dict[str, Any], side: str) -> None:
-    direction = optional(body, "truncation_direction", str, side, "\"right\" or \"left\"")
-    if direction.lower() not in ("right", "left"):
-        raise InvalidInput("truncation_direction", "must be \"right\" or \"left\"")
-    if direction.lower() != side:
-        raise InvalidInput("truncation_direction", f"this model truncates on the {side} only")
+@dataclass(frozen=True)
+class EmbedCall:
+    inputs: Inputs
+    normalize: bool
+    truncate: bool
+    side: str | None
+    prompt_name: str
+    dimensions: int | None
 
 
-def decode_embed(body: Any, config: ServiceConfig, *, side: str, all_tokens: bool = False) -> EmbedCall:
+def decode_embed(body: Any, config: ServiceConfig) -> EmbedCall:
     body = json_object(body)
-    known_fields(body, EMBED_ALL if all_tokens else EMBED)
+    fields = Fields(body, config)
     inputs = _inputs(body, config)
-    truncate = optional(body, "truncate", bool, False, "a boolean")
-    _direction(body, side)
-    prompt = optional(body, "prompt_name", str, "", "a string")
-    normalize = optional(body, "normalize", bool, True, "a boolean")
-    dims = optional(body, "dimensions", int, None, "an integer")  # its range: the plan's check
-    return EmbedCall(inputs, normalize, truncate, prompt, dims)
+    return EmbedCall(inputs, fields.get("normalize", bool, True, "a boolean"), fields.truncate(), fields.side(),
+                     fields.prompt_name(), fields.get("dimensions", int, None, "an integer"))  # range: the plan's
 
 
-def decode_tokenize(body: Any, config: ServiceConfig) -> tuple[list[str], str]:
+@dataclass(frozen=True)
+class SimilarityCall:
+    source: str
+    sentences: list[str]
+    truncate: bool
+    side: str | None
+    prompt_name: str
+
+
+def is_similarity(body: Any) -> bool:
+    """A body whose inputs is an object: /similarity's (no other embedding route takes one)."""
+    return isinstance(body, dict) and isinstance(body.get("inputs"), dict)
+
+
+def decode_similarity(body: Any, config: ServiceConfig) -> SimilarityCall:
     body = json_object(body)
-    known_fields(body, TOKENIZE)
+    value = json_object(body.get("inputs"), "inputs")
+    source = value.get("source_sentence")
+    if not isinstance(source, str):
+        raise InvalidInput("inputs.source_sentence", f"required: a string; got {kind(source)}")
+    sentences = value.get("sentences")
+    if not isinstance(sentences, list):
+        raise InvalidInput("inputs.sentences", f"required: an array of strings; got {kind(sentences)}")
+    if not sentences:
+        raise EmptyInput("inputs.sentences", "cannot be empty")
+    if len(sentences) + 1 > config.max_sequences_per_call:  # the source is one more, as TEI counts it
+        raise TooLarge("inputs.sentences", f"batch size {len(sentences) + 1} > maximum allowed batch size "
+                       f"{config.max_sequences_per_call}")
+    for i, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise InvalidInput(f"inputs.sentences[{i}]", "must be a string")
+    params = body.get("parameters")
+    fields = Fields(json_object(params, "parameters") if params is not None else {}, config, nested=False)
+    return SimilarityCall(source, sentences, fields.truncate(), fields.side(), fields.prompt_name())
+
+
+def cosines(vectors: Sequence[np.ndarray]) -> list[float]:
+    """Each vector's cosine with the first (0 for a zero vector), in float32 as TEI computes it."""
+    first = vectors[0].astype(np.float32)
+    rest = np.stack(vectors[1:]).astype(np.float32)
+    norms = np.linalg.norm(rest, axis=1) * np.linalg.norm(first)
+    dots = rest @ first
+    return [float(d / n) if n > 0 else 0.0 for d, n in zip(dots.tolist(), norms.tolist(), strict=True)]
+
+
+def decode_tokenize(body: Any, config: ServiceConfig) -> tuple[list[str], str, bool]:
+    body = json_object(body)
     inputs = _inputs(body, config)
     if not all(isinstance(x, str) for x in inputs):
         raise InvalidInput("inputs", "must be a string or an array of strings")
-    if not optional(body, "add_special_tokens", bool, True, "a boolean"):
-        raise InvalidInput("add_special_tokens", "false is not supported: the model's special tokens are always added")
-    return [str(x) for x in inputs], optional(body, "prompt_name", str, "", "a string")
+    fields = Fields(body, config)
+    return ([str(x) for x in inputs], fields.prompt_name(),
+            bool(fields.get("add_special_tokens", bool, True, "a boolean")))
 
 
 def decode_decode(body: Any, config: ServiceConfig, vocab_size: int) -> tuple[list[list[int]], bool]:
     """The ids to decode: at most max_sequences_per_call rows and max_tokens_per_call ids, checked first."""
     body = json_object(body)
-    known_fields(body, DECODE)
     if "ids" not in body:
         raise InvalidInput("ids", "required")
     rows = decode_inputs(body["ids"], "ids", max_inputs=config.max_sequences_per_call,
@@ -153,28 +231,29 @@ class RerankCall:
     return_text: bool
     raw_scores: bool
     truncate: bool
+    side: str | None
 
 
-def decode_rerank(body: Any, config: ServiceConfig, *, side: str) -> RerankCall:
+def decode_rerank(body: Any, config: ServiceConfig) -> RerankCall:
     body = json_object(body)
-    known_fields(body, RERANK)
     if "query" not in body:
         raise InvalidInput("query", "required")
     query = optional(body, "query", str, "", "a string")
     texts = body.get("texts")
     if not isinstance(texts, list):
         raise InvalidInput("texts", "required: an array of strings")
+    if not texts:
+        raise EmptyInput("texts", "cannot be empty")
     max_inputs = config.max_sequences_per_call
     if len(texts) > max_inputs:
         raise TooLarge("texts", f"batch size {len(texts)} > maximum allowed batch size {max_inputs}")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidInput(f"texts[{i}]", "must be a string")
-    _direction(body, side)
-    top_n = optional(body, "top_n", int, None, "an integer")
-    return RerankCall(query, texts, top_n, optional(body, "return_text", bool, False, "a boolean"),
-                      optional(body, "raw_scores", bool, False, "a boolean"),
-                      optional(body, "truncate", bool, False, "a boolean"))
+    fields = Fields(body, config)
+    return RerankCall(query, texts, fields.get("top_n", int, None, "an integer"),
+                      fields.get("return_text", bool, False, "a boolean"),
+                      fields.get("raw_scores", bool, False, "a boolean"), fields.truncate(), fields.side())
 
 
 @dataclass(frozen=True)
@@ -183,9 +262,10 @@ class PredictCall:
     batch: bool  # a batch answers a list per input; a single input its list alone
     raw_scores: bool
     truncate: bool
+    side: str | None
 
 
-def _sequence(value: Any, field: str) -> str | tuple[str, str] | None:
+def _sequence(value: Any) -> str | tuple[str, str] | None:
     """A text, ["text"] or ["first", "second"]; None if it is none of these."""
     if isinstance(value, str):
         return value
@@ -194,31 +274,34 @@ def _sequence(value: Any, field: str) -> str | tuple[str, str] | None:
     return None
 
 
-def decode_predict(body: Any, config: ServiceConfig, *, side: str) -> PredictCall:
+def decode_predict(body: Any, config: ServiceConfig) -> PredictCall:
     body = json_object(body)
-    known_fields(body, PREDICT)
     if "inputs" not in body:
         raise InvalidInput("inputs", "required")
     value = body["inputs"]
     max_inputs = config.max_sequences_per_call
-    single = _sequence(value, "inputs")
+    single = _sequence(value)
     if single is not None and not (isinstance(value, list) and len(value) == 1):
         inputs, batch = [single], False  # "text", or ["first", "second"]: one pair, as TEI reads it
     elif isinstance(value, list):
+        if not value:
+            raise EmptyInput("inputs", "cannot be empty")
         if len(value) > max_inputs:
             raise TooLarge("inputs", f"batch size {len(value)} > maximum allowed batch size {max_inputs}")
         inputs = []
         for i, item in enumerate(value):
-            one = _sequence(item, f"inputs[{i}]")
+            one = _sequence(item)
             if one is None:
                 raise InvalidInput(f"inputs[{i}]", "must be a string, [\"text\"] or [\"first\", \"second\"]")
             inputs.append(one)
         batch = True
     else:
         raise InvalidInput("inputs", "must be a string, a pair of strings, or an array of them")
-    _direction(body, side)
-    return PredictCall(inputs, batch, optional(body, "raw_scores", bool, False, "a boolean"),
-                       optional(body, "truncate", bool, False, "a boolean"))
+    fields = Fields(body, config)
+    # An Inference Endpoints client (its "parameters") reads a single input's answer as a batch of one.
+    batch = batch or isinstance(body.get("parameters"), dict)
+    return PredictCall(inputs, batch, fields.get("raw_scores", bool, False, "a boolean"), fields.truncate(),
+                       fields.side())
 
 
 def predictions(labels: Sequence[str], scores: Sequence[float]) -> list[dict[str, Any]]:
@@ -232,8 +315,18 @@ def sparse(indices: np.ndarray, values: np.ndarray) -> list[dict[str, Any]]:
     return [{"index": int(i), "value": float(v)} for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
 
 
-def _side(spec: ModelSpec) -> str:
-    return spec.tokenizer.settings.truncation_side if spec.tokenizer is not None else "right"
+def decode_root(body: Any, config: ServiceConfig, route: str) -> Any:
+    """`POST /`'s call: the body decoded as the route of the model's type (`root_route`) reads it."""
+    if route == "embed":
+        return decode_similarity(body, config) if is_similarity(body) else decode_embed(body, config)
+    if route == "embed_sparse":
+        return SparseCall(decode_embed(body, config))
+    return decode_rerank(body, config) if route == "rerank" else decode_predict(body, config)
+
+
+@dataclass(frozen=True)
+class SparseCall:
+    embed: EmbedCall
 
 
 class TEI:
@@ -249,43 +342,113 @@ class TEI:
     def routes(self) -> Routes:
         return Routes(DIALECT, "/", [
             Route("POST", "/embed", self.embed), Route("POST", "/embed_all", self.embed_all),
-            Route("POST", "/embed_sparse", self.embed_sparse), Route("POST", "/tokenize", self.tokenize),
-            Route("POST", "/decode", self.decode), Route("POST", "/rerank", self.rerank),
-            Route("POST", "/predict", self.predict), Route("GET", "/info", self.info),
-            Route("GET", "/health", self.health, health=True)])
+            Route("POST", "/embed_sparse", self.embed_sparse), Route("POST", "/similarity", self.similarity),
+            Route("POST", "/tokenize", self.tokenize), Route("POST", "/decode", self.decode),
+            Route("POST", "/rerank", self.rerank), Route("POST", "/predict", self.predict),
+            Route("POST", "/", self.root), Route("POST", "/invocations", self.root),
+            Route("GET", "/info", self.info), Route("GET", "/health", self.health, health=True),
+            Route("GET", "/", self.health, health=True), Route("GET", "/ping", self.health, health=True)])
 
     async def _read(self, request: web.Request, decode: Callable[[Any], Any]) -> Any:
         return await read_json(request, self._config, self._values, decode)
 
+    # -- routes: read and decode, then run ---------------------------------------------------------
+
     async def embed(self, request: web.Request) -> web.StreamResponse:
-        model = self._calls.model()
-        call = await self._read(request, lambda body: decode_embed(body, self._config, side=_side(model.spec)))
-        ask = pooled_ask(model.spec, call.inputs, normalize=call.normalize, truncate=call.truncate,
-                         prompt_name=call.prompt_name, dimensions=call.dimensions)
-        ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
-        vectors = pooled(ran)
-        return await json_answer(vectors, sum(v.size for v in vectors))
+        started, model = time.perf_counter(), self._calls.model()
+        call = await self._read(request, lambda body: decode_embed(body, self._config))
+        return await self._embed(model, call, started)
 
     async def embed_all(self, request: web.Request) -> web.StreamResponse:
-        model = self._calls.model()
-        call = await self._read(request, lambda body: decode_embed(body, self._config, side=_side(model.spec),
-                                                                   all_tokens=True))
-        ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate,
+        started, model = time.perf_counter(), self._calls.model()
+        call = await self._read(request, lambda body: decode_embed(body, self._config))
+        ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate, side=call.side,
                          prompt_name=call.prompt_name, hidden=True)
         ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
         hidden = pooled(ran)
-        return await json_answer(hidden, sum(h.size for h in hidden))
+        return await json_answer(hidden, sum(h.size for h in hidden), _headers(ran, call.inputs, started))
 
     async def embed_sparse(self, request: web.Request) -> web.StreamResponse:
-        model = self._calls.model()
-        call = await self._read(request, lambda body: decode_embed(body, self._config, side=_side(model.spec),
-                                                                   all_tokens=True))
-        ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate,
+        started, model = time.perf_counter(), self._calls.model()
+        call = await self._read(request, lambda body: decode_embed(body, self._config))
+        return await self._sparse(model, call, started)
+
+    async def similarity(self, request: web.Request) -> web.StreamResponse:
+        started, model = time.perf_counter(), self._calls.model()
+        call = await self._read(request, lambda body: decode_similarity(body, self._config))
+        return await self._similarity(model, call, started)
+
+    async def rerank(self, request: web.Request) -> web.StreamResponse:
+        started, model = time.perf_counter(), self._calls.model()
+        call = await self._read(request, lambda body: decode_rerank(body, self._config))
+        return await self._rerank(model, call, started)
+
+    async def predict(self, request: web.Request) -> web.StreamResponse:
+        started, model = time.perf_counter(), self._calls.model()
+        call = await self._read(request, lambda body: decode_predict(body, self._config))
+        return await self._predict(model, call, started)
+
+    async def root(self, request: web.Request) -> web.StreamResponse:
+        """POST / and /invocations: the route of the model's type (module docstring)."""
+        started, model = time.perf_counter(), self._calls.model()
+        route = root_route(model.spec)
+        call = await self._read(request, lambda body: decode_root(body, self._config, route))
+        if isinstance(call, EmbedCall):
+            return await self._embed(model, call, started)
+        if isinstance(call, SimilarityCall):
+            return await self._similarity(model, call, started)
+        if isinstance(call, SparseCall):
+            return await self._sparse(model, call.embed, started)
+        if isinstance(call, RerankCall):
+            return await self._rerank(model, call, started)
+        return await self._predict(model, call, started)
+
+    # -- run and encode --------------------------------------------------------------------------
+
+    async def _embed(self, model: Model, call: EmbedCall, started: float) -> web.StreamResponse:
+        ask = pooled_ask(model.spec, call.inputs, normalize=call.normalize, truncate=call.truncate, side=call.side,
+                         prompt_name=call.prompt_name, dimensions=call.dimensions)
+        ran = await self._calls.run(model, ask, names("inputs"), json_size, deadline.remaining())
+        vectors = pooled(ran)
+        return await json_answer(vectors, sum(v.size for v in vectors), _headers(ran, call.inputs, started))
+
+    async def _sparse(self, model: Model, call: EmbedCall, started: float) -> web.StreamResponse:
+        ask = pooled_ask(model.spec, call.inputs, normalize=None, truncate=call.truncate, side=call.side,
                          prompt_name=call.prompt_name, sparse=True)
         ran = await self._calls.run(model, ask, replace(names("inputs"), sparse="/embed_sparse"), json_size,
                                     deadline.remaining())
         entries = [sparse_entries(x, 0, 0.0) for x in ran.logits]
-        return await json_answer([sparse(*e) for e in entries], sum(2 * len(e[0]) for e in entries))
+        return await json_answer([sparse(*e) for e in entries], sum(2 * len(e[0]) for e in entries),
+                                 _headers(ran, call.inputs, started))
+
+    async def _similarity(self, model: Model, call: SimilarityCall, started: float) -> web.StreamResponse:
+        texts = [call.source, *call.sentences]
+        ask = pooled_ask(model.spec, texts, normalize=False, truncate=call.truncate, side=call.side,
+                         prompt_name=call.prompt_name)
+        ran = await self._calls.run(model, ask, names("inputs.sentences"), json_size, deadline.remaining())
+        return json_response(cosines(pooled(ran)), headers=_headers(ran, texts, started))
+
+    async def _rerank(self, model: Model, call: RerankCall, started: float) -> web.StreamResponse:
+        ask = Ask(inputs=call.texts, return_hidden=False, task="rerank", query=call.query, top_n=call.top_n,
+                  truncate=call.truncate, truncation_side=call.side, raw_scores=call.raw_scores)
+        ran = await self._calls.run(model, ask, replace(names("texts"), task="/rerank"), head_response_bytes,
+                                    deadline.remaining())
+        assert ran.scores is not None and ran.ranking is not None
+        scores = ran.scores
+        chars = characters(call.texts) + len(call.query) * len(call.texts)
+        return json_response([{"index": i, "score": scores[i], **({"text": call.texts[i]} if call.return_text else {})}
+                              for i in ran.ranking], headers=Timing.of(ran, chars, started).headers())
+
+    async def _predict(self, model: Model, call: PredictCall, started: float) -> web.StreamResponse:
+        ask = Ask(inputs=call.inputs, return_hidden=False, task="classify", truncate=call.truncate,
+                  truncation_side=call.side, raw_scores=call.raw_scores)
+        ran = await self._calls.run(model, ask, replace(names("inputs"), task="/predict"), head_response_bytes,
+                                    deadline.remaining())
+        assert ran.labels is not None
+        out = [predictions(model.spec.labels, scores.tolist()) for scores in ran.labels]
+        return json_response(out if call.batch else out[0], headers=_headers(ran, call.inputs, started))
+
+    # -- tokens, info, health ----------------------------------------------------------------------
 
     def _specials(self, spec: ModelSpec) -> frozenset[int]:
         if spec.tokenizer is None:
@@ -296,9 +459,10 @@ class TEI:
         return self._special[key]
 
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
-        texts, prompt = await self._read(request, lambda body: decode_tokenize(body, self._config))
+        texts, prompt, specials = await self._read(request, lambda body: decode_tokenize(body, self._config))
         model = self._calls.model()
-        encoded = await self._calls.tokenize(model, texts, field="inputs", truncate=False, prompt_name=prompt)
+        encoded = await self._calls.tokenize(model, texts, field="inputs", truncate=False, prompt_name=prompt,
+                                             specials=specials)
         special = self._specials(model.spec)
         return await json_answer([tokens(enc.ids.tolist(), enc.tokens, special) for enc in encoded],
                                  sum(4 * len(enc.ids) for enc in encoded))
@@ -316,42 +480,13 @@ class TEI:
             texts = tokenizer.decode(rows, skip_special_tokens=skip)
         return await json_answer(texts, ids)
 
-    async def rerank(self, request: web.Request) -> web.StreamResponse:
-        model = self._calls.model()
-        call = await self._read(request, lambda body: decode_rerank(body, self._config, side=_side(model.spec)))
-        ask = Ask(inputs=call.texts, return_hidden=False, task="rerank", query=call.query, top_n=call.top_n,
-                  truncate=call.truncate, raw_scores=call.raw_scores)
-        ran = await self._calls.run(model, ask, replace(names("texts"), task="/rerank"), head_response_bytes,
-                                    deadline.remaining())
-        assert ran.scores is not None and ran.ranking is not None
-        scores = ran.scores
-        return json_response([{"index": i, "score": scores[i], **({"text": call.texts[i]} if call.return_text else {})}
-                              for i in ran.ranking])
-
-    async def predict(self, request: web.Request) -> web.StreamResponse:
-        model = self._calls.model()
-        call = await self._read(request, lambda body: decode_predict(body, self._config, side=_side(model.spec)))
-        ask = Ask(inputs=call.inputs, return_hidden=False, task="classify", truncate=call.truncate,
-                  raw_scores=call.raw_scores)
-        ran = await self._calls.run(model, ask, replace(names("inputs"), task="/predict"), head_response_bytes,
-                                    deadline.remaining())
-        assert ran.labels is not None
-        out = [predictions(model.spec.labels, scores.tolist()) for scores in ran.labels]
-        return json_response(out if call.batch else out[0])
-
     async def info(self, request: web.Request) -> web.StreamResponse:
-        spec, c = self._calls.model().spec, self._config
-        settings = spec.tokenizer.settings if spec.tokenizer is not None else None
-        return json_response({
-            "model_id": spec.name, "model_sha": spec.checksum, "model_dtype": spec.precision,
-            "model_type": {"embedding": {"pooling": settings.pooling if settings is not None else "mean"}},
-            "max_concurrent_requests": c.max_queue_requests,
-            "max_input_length": settings.max_tokens if settings is not None else spec.max_length,
-            # max_batch_tokens: the one in force (measured at warm-up or configured)
-            "max_batch_tokens": spec.max_batch_tokens, "max_batch_requests": c.max_batch_size,
-            "max_client_batch_size": c.max_sequences_per_call, "auto_truncate": False, "tokenization_workers": 1,
-            "version": SERVER_VERSION, "sha": None, "docker_label": None})
+        return json_response(info(self._calls.model().spec, self._config))
 
     async def health(self, request: web.Request) -> web.StreamResponse:
         self._calls.serving.require_serving()
         return web.Response(status=200)
+
+
+def _headers(ran: Ran, inputs: Sequence[Any], started: float) -> dict[str, str]:
+    return Timing.of(ran, characters(inputs), started).headers()

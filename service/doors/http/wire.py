@@ -29,6 +29,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from service.config import ServiceConfig
 from service.errors import (
+    EmptyInput,
     InvalidInput,
     NotAcceptable,
     NotReady,
@@ -55,6 +56,8 @@ def http_status(error: ServiceError, invalid: int = 400, internal: int = 500) ->
         return error.status
     if isinstance(error, TooLarge):
         return 413
+    if isinstance(error, EmptyInput):
+        return 400
     if isinstance(error, ReadTimeout):
         return 408
     code = status_of(error)
@@ -118,12 +121,12 @@ def json_response(value: Any, status: int = 200, headers: Mapping[str, str] | No
     return web.Response(body=orjson.dumps(value, option=_NUMPY), status=status, content_type=JSON, headers=headers)
 
 
-async def json_answer(value: Any, numbers: int) -> web.Response:
+async def json_answer(value: Any, numbers: int, headers: Mapping[str, str] | None = None) -> web.Response:
     """`json_response`, written in a worker thread when it holds more than INLINE_VALUES `numbers`."""
     if numbers > INLINE_VALUES:
         body = await asyncio.to_thread(orjson.dumps, value, option=_NUMPY)
-        return web.Response(body=body, content_type=JSON)
-    return json_response(value)
+        return web.Response(body=body, content_type=JSON, headers=headers)
+    return json_response(value, headers=headers)
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -211,14 +214,6 @@ def kind(value: Any) -> str:
         return "null"
     return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
             dict: "an object"}.get(type(value), type(value).__name__)
-
-
-def known_fields(body: Mapping[str, Any], known: frozenset[str], where: str = "") -> None:
-    """Refuse a field the route does not know: a misspelt option is never silently ignored."""
-    for name in body:
-        if name not in known:
-            shown = name if name.isidentifier() and len(name) <= 64 else "(not shown)"
-            raise InvalidInput(f"{where}{shown}", f"unknown field; known: {', '.join(sorted(known))}")
 
 
 def optional(body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any,
