@@ -23,6 +23,7 @@ from service.doors.http.pooling import Pooling
 from service.doors.http.rerank import Rerank
 from service.doors.http.server import HttpDoor
 from service.doors.http.tei import TEI
+from service.doors.http.wire import Routes
 from service.doors.kserve.core import KServe
 from service.doors.kserve.grpc_door import KServeServicer
 from service.doors.kserve.rest import KServeRest
@@ -46,7 +47,11 @@ def build_doors(config: ServiceConfig, calls: Calls, health_servicer: health.aio
                              calls.metrics, health_servicer, reuse_port=reuse_port)
     http = None
     if config.http_port >= 0:
-        dialects = [OpenAI(calls).routes(), TEI(calls).routes(), Rerank(calls).routes(), KServeRest(kserve).routes(),
-                    EncodeJson(calls).routes(), Pooling(calls).routes()]
-        http = HttpDoor(config, calls, dialects, reuse_port=reuse_port)
+        http = HttpDoor(config, calls, http_dialects(calls, kserve), reuse_port=reuse_port)
     return Doors(grpc, http)
+
+
+def http_dialects(calls: Calls, kserve: KServe) -> list[Routes]:
+    """The HTTP door's dialects, each with its routes (a health route says so: `Route.health`)."""
+    return [OpenAI(calls).routes(), TEI(calls).routes(), Rerank(calls).routes(), KServeRest(kserve).routes(),
+            EncodeJson(calls).routes(), Pooling(calls).routes()]

@@ -32,7 +32,6 @@ import yaml
 from model.bundle import FORMAT_VERSION, TEXT_FORMAT_VERSION
 from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.doors.http.door import HEALTH
 
 REPO = Path(__file__).resolve().parents[2]
 KSERVE_DIR = REPO / "deploy" / "k8s" / "kserve"
@@ -364,7 +363,7 @@ def port_problems(pod: dict[str, Any], config: ServiceConfig) -> list[str]:
                 problems.append(f"{kind}: health service {service!r}, expected {want!r}")
         elif "httpGet" in probe:
             port = probe["httpGet"]["port"]
-            if port != config.http_port or probe["httpGet"].get("path") not in HEALTH:
+            if port != config.http_port or probe["httpGet"].get("path") not in health_paths():
                 problems.append(f"{kind}: httpGet {port}{probe['httpGet'].get('path')} is no health route")
             if (probe["httpGet"].get("scheme", "HTTP") == "HTTPS") != config.tls:
                 problems.append(f"{kind}: scheme must be HTTPS exactly when TLS is on")
@@ -719,3 +718,17 @@ def test_the_checks_refuse_a_broken_inference_service(name: str, dotted: str, va
     broken = _broken(isvc, dotted, value)
     problems = isvc_problems(broken, runtime) + pod_problems(predictor_pod(broken, runtime), broken, tmp_path)
     assert any(message in p for p in problems), problems
+
+
+def health_paths() -> set[str]:
+    """The HTTP door's health routes, as its dialects declare them."""
+    from prometheus_client import CollectorRegistry
+
+    from service.config import ServiceConfig
+    from service.doors.build import http_dialects
+    from service.doors.calls import Calls, Serving
+    from service.doors.kserve.core import KServe
+    from service.metrics import Metrics
+
+    calls = Calls(ServiceConfig(), Serving(), Metrics(CollectorRegistry()))
+    return {r.path for d in http_dialects(calls, KServe(calls)) for r in d.routes if r.health}
