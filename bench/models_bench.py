@@ -23,19 +23,22 @@ of `Rerank`, each call an 8-word query and `--passages` (16) passages of 20-60 w
 through seeded pools (64 embed calls, 8 rerank calls). A slice warms up with one call per caller, then runs until
 one model has started `--calls` calls or `--seconds` have passed; calls that finish after that are not counted
 (they ran with the other model's callers gone). Per model: calls/s, texts/s, p50 and p99 at the client; per
-setup: the servers' CPU (user + system, all threads and processes, /proc) over the slice, in cores.
+setup: the servers' CPU (user + system, all threads and processes, /proc) over the slice, in cores, and the other
+setup's servers' (idle meanwhile: near zero, or they would disturb it).
 The lone call: `Encode` of one 3-15-word text, and `Rerank` of one query x `--passages`, at concurrency 1 with
-the other model idle, p50 over `--lone-calls` calls (at most `--lone-seconds`): on A (the other model loaded and
-idle) and on B's one-model server of that model.
+the other model idle: on A (the other model loaded and idle) and on B's one-model server of that model, one call
+on each in turn (A B B A ...: this machine's load moves between seconds, and only calls side by side compare),
+until each has had `--lone-calls` or `--lone-seconds` have passed; p50 per setup.
 
-Per round, fresh servers: setup A, then B (the order alternating between rounds: A B, B A, A B, ...), each
-running the mixed slice then the two lone slices, the other setup's servers stopped. Reported: medians over
-rounds per model and setup, the ratio A / B per round and its median, and whether each of issue 41's targets
-held (A's throughput at least B's for each model; A's p99 no worse; the lone call's p50 unchanged, within
-+-LONE_BAND).
-Bounded: rounds x 2 x (`--seconds` + 2 x `--lone-seconds` + the calls in flight) plus the start-ups.
+Per round, fresh servers of both setups (A's and B's, started in the round's order); the mixed slice on each,
+A then B in even rounds and B then A in odd ones, the other setup's servers idle; then the lone calls of each
+model. Reported: medians over rounds per model and setup, the ratio A / B per round and its median, and whether
+each of issue 41's targets held (A's throughput at least B's for each model; A's p99 no worse; the lone call's
+p50 unchanged, within +-LONE_BAND).
+Bounded: rounds x (2 x (`--seconds` + the calls in flight) + 2 x `--lone-seconds` + one call per setup) plus the
+start-ups.
 
-    python -m bench.models_bench [--rounds 3] [--seconds 20] [--size real|tiny] [--b-flag F ...]
+    python -m bench.models_bench [--rounds 3] [--seconds 30] [--lone-seconds 20] [--size real|tiny] [--b-flag F ...]
 """
 
 from __future__ import annotations
@@ -153,7 +156,8 @@ class Calls:
 class Slice:
     seconds: float
     calls: dict[str, Calls]
-    server_cpu_s: float
+    server_cpu_s: float  # the measured setup's servers, all processes and threads
+    idle_cpu_s: float  # the other setup's servers, idle meanwhile
     client_cpu_s: float
     load: float  # the 1-minute load average at the slice's end
 
@@ -181,27 +185,34 @@ def check(model: str, request: Any, response: Any) -> None:
         raise RuntimeError(f"rerank: {len(response.results)} scores for {len(request.texts)} texts")
 
 
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
+
+
+async def call(stub: Any, model: str, request: Any) -> None:
+    rpc = stub.Encode if model == "embed" else stub.Rerank
+    check(model, request, await rpc(request, timeout=CALL_TIMEOUT_S))
+
+
+def cpu_of(pids: Sequence[int]) -> float:
+    return sum(cpu_s(p)[0] for p in pids)
+
+
 async def run_slice(targets: dict[str, Target], pools: dict[str, list[Any]], concurrency: dict[str, int], *,
-                    pids: Sequence[int], seconds: float, calls: int) -> Slice:
-    """Every model in `concurrency` at once, closed loop, until one has started `calls` calls or `seconds`
-    have passed; only calls finished by then count."""
-    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
-    channels = {m: grpc.aio.insecure_channel(targets[m].address, options=options) for m in concurrency}
+                    pids: Sequence[int], idle: Sequence[int], seconds: float, calls: int) -> Slice:
+    """Every model in `concurrency` at once, closed loop, one channel per model, until one has started `calls`
+    calls or `seconds` have passed; only calls finished by then count. `pids`: the servers measured, `idle`:
+    the ones that should be idle meanwhile (their CPU is reported, to show they are)."""
+    channels = {m: grpc.aio.insecure_channel(targets[m].address, options=CHANNEL_OPTIONS) for m in concurrency}
     try:
         stubs = {m: _stubs.AttentionServiceStub(channels[m]) for m in concurrency}
-
-        async def call(model: str, request: Any) -> None:
-            rpc = stubs[model].Encode if model == "embed" else stubs[model].Rerank
-            check(model, request, await rpc(request, timeout=CALL_TIMEOUT_S))
-
-        await asyncio.gather(*(call(m, pools[m][i % len(pools[m])]) for m, c in concurrency.items()
+        await asyncio.gather(*(call(stubs[m], m, pools[m][i % len(pools[m])]) for m, c in concurrency.items()
                                for i in range(c)))
         results = {m: Calls() for m in concurrency}
         issued = dict.fromkeys(concurrency, 0)
-        cpu_before, client_before = sum(cpu_s(p)[0] for p in pids), time.process_time()
+        cpu_before, idle_before, client_before = cpu_of(pids), cpu_of(idle), time.process_time()
         started = time.perf_counter()
         deadline = started + seconds
-        stop: list[float] = []  # when the window closed (the first caller to see it over records it)
+        stop: list[float] = []  # when the window closed
 
         async def caller(model: str) -> None:
             pool = pools[model]
@@ -212,7 +223,7 @@ async def run_slice(targets: dict[str, Target], pools: dict[str, list[Any]], con
                 request = pool[issued[model] % len(pool)]
                 issued[model] += 1
                 t0 = time.perf_counter()
-                await call(model, request)
+                await call(stubs[model], model, request)
                 t1 = time.perf_counter()
                 if not stop and t1 < deadline:  # finished inside the window
                     results[model].latencies_s.append(t1 - t0)
@@ -225,13 +236,42 @@ async def run_slice(targets: dict[str, Target], pools: dict[str, list[Any]], con
             await asyncio.sleep(min(0.01, deadline - time.perf_counter()))
         if not stop:
             stop.append(time.perf_counter())
-        cpu, client = sum(cpu_s(p)[0] for p in pids) - cpu_before, time.process_time() - client_before
+        cpu, idle_cpu = cpu_of(pids) - cpu_before, cpu_of(idle) - idle_before
+        client = time.process_time() - client_before
         window = stop[0] - started
         await asyncio.gather(*tasks)
     finally:
         for channel in channels.values():
             await channel.close()
-    return Slice(window, results, cpu, client, os.getloadavg()[0])
+    return Slice(window, results, cpu, idle_cpu, client, os.getloadavg()[0])
+
+
+async def run_lone(targets: dict[str, Target], pools: dict[str, list[Any]], model: str, *, first: str,
+                   seconds: float, calls: int) -> dict[str, Calls]:
+    """`model`'s lone calls, one at a time, alternating between the setups' servers (`targets`: setup ->
+    server) call by call, `first` first in each pair then last in the next (A B B A ...), so that the
+    machine's drift falls on both alike; until each has had `calls` or `seconds` have passed."""
+    order = [first, *(s for s in targets if s != first)]
+    channels = {s: grpc.aio.insecure_channel(t.address, options=CHANNEL_OPTIONS) for s, t in targets.items()}
+    try:
+        stubs = {s: _stubs.AttentionServiceStub(c) for s, c in channels.items()}
+        for s in order:  # a warm call on each
+            await call(stubs[s], model, pools[s][0])
+        results = {s: Calls() for s in targets}
+        deadline = time.perf_counter() + seconds
+        for i in range(calls):
+            for s in (order if i % 2 == 0 else order[::-1]):
+                request = pools[s][i % len(pools[s])]
+                t0 = time.perf_counter()
+                await call(stubs[s], model, request)
+                results[s].latencies_s.append(time.perf_counter() - t0)
+                results[s].texts += texts_of(request)
+            if time.perf_counter() >= deadline:
+                break
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return results
 
 
 def start(*models: tuple[str, Path], flags: Sequence[str]) -> ServerProcess:
@@ -253,59 +293,66 @@ def served(server: ServerProcess) -> str:
 
 @dataclass
 class Round:
-    mixed: Slice
-    lone: dict[str, Slice]
+    mixed: dict[str, Slice]  # setup -> its mixed slice
+    lone: dict[str, dict[str, Calls]]  # model -> setup -> its lone calls
 
 
-def run_setup(setup: str, bundles: dict[str, Path], args: argparse.Namespace, flags: list[str],
-              round_: int) -> Round:
-    """Fresh servers of `setup`, the mixed slice, the two lone slices, the servers stopped."""
-    servers: list[ServerProcess] = []
+def run_round(round_: int, bundles: dict[str, Path], args: argparse.Namespace, flags: list[str]) -> Round:
+    """Fresh servers of both setups; each setup's mixed slice, in this round's order, the other's servers idle;
+    each model's lone calls alternating between the setups; the servers stopped."""
+    order = list(SETUPS) if round_ % 2 == 0 else list(SETUPS)[::-1]
+    servers: dict[str, list[ServerProcess]] = {}
     try:
-        if setup == "A":
-            servers.append(start(*bundles.items(), flags=flags))
-            targets = {m: Target(servers[0].target, m) for m in MODELS}
-        else:
-            for m in MODELS:
-                servers.append(start((m, bundles[m]), flags=[*flags, *args.b_flag]))
-            targets = {m: Target(s.target, "") for m, s in zip(MODELS, servers, strict=True)}
-        for s in servers:
-            print(f"round {round_} {setup} server pid {s.pid}: {served(s)}", flush=True)
-        pids = [s.pid for s in servers]
-        pools = {m: requests(m, targets[m].served, args.passages, lone=False) for m in MODELS}
+        for setup in order:
+            if setup == "A":
+                servers[setup] = [start(*bundles.items(), flags=flags)]
+            else:
+                servers[setup] = [start((m, bundles[m]), flags=[*flags, *args.b_flag]) for m in MODELS]
+            for s in servers[setup]:
+                print(f"round {round_} {setup} server pid {s.pid}: {served(s)}", flush=True)
+        targets = {"A": {m: Target(servers["A"][0].target, m) for m in MODELS},
+                   "B": {m: Target(s.target, "") for m, s in zip(MODELS, servers["B"], strict=True)}}
         concurrency = {"embed": args.embed_concurrency, "rerank": args.rerank_concurrency}
-        mixed = asyncio.run(run_slice(targets, pools, concurrency, pids=pids, seconds=args.seconds,
-                                      calls=args.calls))
-        for m in MODELS:
-            c = mixed.calls[m]
-            print(f"round {round_} {setup} mixed {m}: {mixed.rate(m):.2f} calls/s, {mixed.text_rate(m):.1f} texts/s, "
-                  f"{len(c.latencies_s)} calls in {mixed.seconds:.3f} s, p50 {c.percentile(50):.1f} ms, p99 "
-                  f"{c.percentile(99):.1f} ms", flush=True)
-        print(f"round {round_} {setup} mixed server CPU {mixed.server_cpu_s / mixed.seconds:.2f} cores, client CPU "
-              f"{mixed.client_cpu_s / mixed.seconds:.2f} cores, load average {mixed.load:.2f}", flush=True)
+        mixed = {}
+        for setup in order:
+            pools = {m: requests(m, targets[setup][m].served, args.passages, lone=False) for m in MODELS}
+            pids = [s.pid for s in servers[setup]]
+            idle = [s.pid for other in order if other != setup for s in servers[other]]
+            mixed[setup] = x = asyncio.run(run_slice(targets[setup], pools, concurrency, pids=pids, idle=idle,
+                                                     seconds=args.seconds, calls=args.calls))
+            for m in MODELS:
+                c = x.calls[m]
+                print(f"round {round_} {setup} mixed {m}: {x.rate(m):.2f} calls/s, {x.text_rate(m):.1f} texts/s, "
+                      f"{len(c.latencies_s)} calls in {x.seconds:.3f} s, p50 {c.percentile(50):.1f} ms, p99 "
+                      f"{c.percentile(99):.1f} ms", flush=True)
+            print(f"round {round_} {setup} mixed server CPU {x.server_cpu_s / x.seconds:.2f} cores, idle servers "
+                  f"{x.idle_cpu_s / x.seconds:.3f} cores, client CPU {x.client_cpu_s / x.seconds:.2f} cores, load "
+                  f"average {x.load:.2f}", flush=True)
         lone = {}
         for m in MODELS:
-            pool = requests(m, targets[m].served, args.passages, lone=True, seed=1)
-            owner = [servers[0].pid] if setup == "A" else [servers[MODELS.index(m)].pid]
-            lone[m] = asyncio.run(run_slice(targets, {m: pool}, {m: 1}, pids=owner, seconds=args.lone_seconds,
-                                            calls=args.lone_calls))
-            c = lone[m].calls[m]
-            print(f"round {round_} {setup} lone {m}: {len(c.latencies_s)} calls in {lone[m].seconds:.3f} s, p50 "
-                  f"{c.percentile(50):.2f} ms, p99 {c.percentile(99):.2f} ms, load average {lone[m].load:.2f}",
-                  flush=True)
+            # the same calls on both (same seed), each naming the model as its server serves it
+            pools = {s: requests(m, targets[s][m].served, args.passages, lone=True, seed=1) for s in SETUPS}
+            lone[m] = asyncio.run(run_lone({s: targets[s][m] for s in SETUPS}, pools, m, first=order[0],
+                                           seconds=args.lone_seconds, calls=args.lone_calls))
+            for setup in order:
+                c = lone[m][setup]
+                print(f"round {round_} {setup} lone {m}: {len(c.latencies_s)} calls, p50 {c.percentile(50):.2f} ms, "
+                      f"p99 {c.percentile(99):.2f} ms, load average {os.getloadavg()[0]:.2f}", flush=True)
         return Round(mixed, lone)
     finally:
-        for s in servers:
-            s.stop()
+        for group in servers.values():
+            for s in group:
+                s.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.models_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=20.0, help="measured seconds of the mixed slice, at most")
+    parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds of a mixed slice, at most")
     parser.add_argument("--calls", type=int, default=5000, help="mixed slice: calls of one model, at most")
-    parser.add_argument("--lone-seconds", type=float, default=8.0, help="measured seconds of a lone slice, at most")
-    parser.add_argument("--lone-calls", type=int, default=100, help="calls of a lone slice, at most")
+    parser.add_argument("--lone-seconds", type=float, default=20.0,
+                        help="lone calls of one model, both setups together: seconds, at most")
+    parser.add_argument("--lone-calls", type=int, default=100, help="lone calls of one model per setup, at most")
     parser.add_argument("--embed-concurrency", type=int, default=8)
     parser.add_argument("--rerank-concurrency", type=int, default=2)
     parser.add_argument("--passages", type=int, default=16, help="texts per Rerank call")
@@ -324,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     flags = [*(["--torch-threads", str(args.threads)] if args.threads else []), *args.server_flag]
     print(f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; cpu {cpu_flags()}; cores {os.cpu_count()}; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
-    rounds: dict[str, list[Round]] = {s: [] for s in SETUPS}
+    rounds: list[Round] = []
     with tempfile.TemporaryDirectory(prefix="bench-models-") as tmp:
         bundles = build(Path(tmp), args.size)
         print(f"models built: {args.size} encoder {SIZES[args.size]}; embed c{args.embed_concurrency} "
@@ -332,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
               f"c{args.rerank_concurrency} (1 query x {args.passages} passages of {PASSAGE_WORDS[0]}-"
               f"{PASSAGE_WORDS[1]} words)", flush=True)
         for round_ in range(args.rounds):
-            for setup in (SETUPS if round_ % 2 == 0 else reversed(SETUPS)):
-                rounds[setup].append(run_setup(setup, bundles, args, flags, round_))
+            rounds.append(run_round(round_, bundles, args, flags))
     print(f"load average after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     report(rounds)
     return 0
@@ -351,28 +397,27 @@ def _per_round(values: Sequence[float]) -> str:
     return f"{' '.join(f'{x:.3f}' for x in values)} (median {_median(values):.3f})"
 
 
-def report(rounds: dict[str, list[Round]]) -> None:
+def report(rounds: list[Round]) -> None:
     """Medians over rounds per model and setup; A / B per round and its median; the targets."""
     print("| model | setup | calls/s | texts/s | p50 ms | p99 ms | lone call p50 ms |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for m in MODELS:
         for setup, name in SETUPS.items():
-            rs = rounds[setup]
-            print(f"| {m} | {setup}: {name} | {_median([r.mixed.rate(m) for r in rs]):.2f} "
-                  f"| {_median([r.mixed.text_rate(m) for r in rs]):.1f} "
-                  f"| {_median([r.mixed.calls[m].percentile(50) for r in rs]):.1f} "
-                  f"| {_median([r.mixed.calls[m].percentile(99) for r in rs]):.1f} "
-                  f"| {_median([r.lone[m].calls[m].percentile(50) for r in rs]):.2f} |")
+            mixed = [r.mixed[setup] for r in rounds]
+            print(f"| {m} | {setup}: {name} | {_median([x.rate(m) for x in mixed]):.2f} "
+                  f"| {_median([x.text_rate(m) for x in mixed]):.1f} "
+                  f"| {_median([x.calls[m].percentile(50) for x in mixed]):.1f} "
+                  f"| {_median([x.calls[m].percentile(99) for x in mixed]):.1f} "
+                  f"| {_median([r.lone[m][setup].percentile(50) for r in rounds]):.2f} |")
     for setup, name in SETUPS.items():
-        rs = rounds[setup]
-        print(f"{setup} ({name}) mixed: server CPU {_median([r.mixed.server_cpu_s / r.mixed.seconds for r in rs]):.2f} "
-              f"cores, client CPU {_median([r.mixed.client_cpu_s / r.mixed.seconds for r in rs]):.2f} cores (medians)")
-    pairs = list(zip(rounds["A"], rounds["B"], strict=True))
+        mixed = [r.mixed[setup] for r in rounds]
+        print(f"{setup} ({name}) mixed: server CPU {_median([x.server_cpu_s / x.seconds for x in mixed]):.2f} cores, "
+              f"client CPU {_median([x.client_cpu_s / x.seconds for x in mixed]):.2f} cores (medians)")
     verdicts = []
     for m in MODELS:
-        rate = [_ratio(a.mixed.rate(m), b.mixed.rate(m)) for a, b in pairs]
-        p99 = [_ratio(a.mixed.calls[m].percentile(99), b.mixed.calls[m].percentile(99)) for a, b in pairs]
-        lone = [_ratio(a.lone[m].calls[m].percentile(50), b.lone[m].calls[m].percentile(50)) for a, b in pairs]
+        rate = [_ratio(r.mixed["A"].rate(m), r.mixed["B"].rate(m)) for r in rounds]
+        p99 = [_ratio(r.mixed["A"].calls[m].percentile(99), r.mixed["B"].calls[m].percentile(99)) for r in rounds]
+        lone = [_ratio(r.lone[m]["A"].percentile(50), r.lone[m]["B"].percentile(50)) for r in rounds]
         print(f"A / B {m}: calls/s per round {_per_round(rate)}; p99 per round {_per_round(p99)}; lone p50 per round "
               f"{_per_round(lone)}")
         verdicts += [
@@ -380,11 +425,11 @@ def report(rounds: dict[str, list[Round]]) -> None:
             (f"{m} p99 A <= B", _median(p99) <= 1.0, f"median A / B {_median(p99):.3f}"),
             (f"{m} lone p50 unchanged (A / B within 1 +- {LONE_BAND:.2f})", abs(_median(lone) - 1) <= LONE_BAND,
              f"median A / B {_median(lone):.3f}")]
-    server = [_ratio(a.mixed.server_cpu_s / a.mixed.seconds, b.mixed.server_cpu_s / b.mixed.seconds) for a, b in pairs]
+    server = [_ratio(r.mixed["A"].server_cpu_s / r.mixed["A"].seconds, r.mixed["B"].server_cpu_s / r.mixed["B"].seconds)
+              for r in rounds]
     print(f"A / B server CPU (cores) per round {_per_round(server)}")
     for what, held, why in verdicts:
         print(f"target {what}: {'met' if held else 'NOT met'} ({why})")
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
