@@ -7,7 +7,7 @@ RUN_STAMP := $(VENV)/.runtime-$(shell cat requirements.txt | cksum | cut -d' ' -
 STAMP  := $(VENV)/.installed-$(shell cat requirements.txt requirements-dev.txt requirements-nodeps.txt | cksum | cut -d' ' -f1)
 PROTOS := proto/attention/v1/attention.proto proto/tei/v1/tei.proto
 
-.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-doors gpu-check gpu-wheels \
+.PHONY: venv run test test-fast pytest proto proto-check lint typecheck check bench bench-text bench-model bench-doors bench-models gpu-check gpu-wheels \
 	gpu-minilm fetch-mpnet test-mpnet \
 	system-deps clean
 
@@ -76,6 +76,9 @@ test-mpnet: fetch-mpnet  ## opt-in: the real all-mpnet-base-v2 against transform
 
 bench-doors: $(STAMP)  ## the gRPC doors alone: a trivial model against bare grpc.aio/sync servers, c1/16/64/256
 	$(BIN)/python -m bench.doors_bench $(BENCH_DOORS_ARGS)
+
+bench-models: $(STAMP)  ## an embedder and a reranker under mixed load: one process serving both vs one process each (issue 41)
+	$(BIN)/python -m bench.models_bench $(BENCH_MODELS_ARGS)
 
 # Not on .venv: its torch is the CPU build. GPU_PYTHON is a python whose torch has CUDA (see bench/gpu_check.py).
 GPU_PYTHON ?= python3
