@@ -167,6 +167,10 @@ class Tracing:
     def forwards(self, model: str) -> Forwards:
         return Forwards(self.tracer, model)
 
+    def flush(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """Export every span ended so far, waiting at most `timeout_s`; False when they are not all out."""
+        return self._provider.force_flush(int(timeout_s * 1e3))
+
     def shutdown(self) -> None:
         """Export what is left and stop, within about SHUTDOWN_TIMEOUT_S whatever the collector does (the export
         thread is a daemon: an exit does not wait for it beyond that)."""
