@@ -8,8 +8,8 @@ and go on). On:
   door's route wrapper as the handler starts, its parent the caller's W3C `traceparent`/`tracestate` (gRPC
   metadata or HTTP headers) when it sent one; ended with its outcome code (status ERROR on failure);
 - its children, made from the times the shared call layer (service/doors/calls.py) notes: `decode` (the
-  door's wire decode), `plan` (validation, tokenization, limits), `queue` (admission until its last sequence's
-  forward began, as the response metadata's queue time) and `encode` (the answer's wire encoding);
+  door's wire decode and the plan: validation, tokenization, limits), `queue` (admission until its last
+  sequence's forward began, as the response metadata's queue time) and `encode` (the answer's wire encoding);
 - one `forward` span per batch that serves a traced call, on its model thread (`Forwards`, the batcher's
   `BatchTracer`), linked to every traced call it served. An edge process sends its call's span context to the
   model process in the SUBMIT frame (`packed`/`unpacked`), so the model process's forwards link to the edges'
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 TRACEPARENT, TRACESTATE = "traceparent", "tracestate"
 EXPORT_TIMEOUT_S = 5.0  # one export's bound; the flush at exit waits at most about this long for a collector
 SHUTDOWN_TIMEOUT_S = 6.0
+DROP_LOG_S = 60.0  # the SDK's "queue full" warnings: one line a minute at most (`_DropsPerMinute`)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NONE = bytes(25)  # packed: no trace
 
@@ -77,11 +78,10 @@ class CallTrace:
         self._run = time.time_ns()
 
     def planned(self, sequences: int, tokens: int, task: str) -> None:
-        """The call is planned (validated, tokenized): `decode` and `plan` end."""
+        """The call is planned (validated, tokenized): `decode` ends, the door's decoding and the plan in one span
+        (one span less to make and export per call), the plan's share in `attention.plan_ms`."""
         now = time.time_ns()
-        run = self._run or now
-        self._child("decode", self._started, run)
-        self._child("plan", run, now)
+        self._child("decode", self._started, now, {"attention.plan_ms": (now - (self._run or now)) / 1e6})
         self.span.set_attributes({"attention.sequences": sequences, "attention.tokens": tokens, "attention.task": task})
 
     def admitted(self) -> None:
@@ -94,6 +94,7 @@ class CallTrace:
         queue_s = max(d.queue_s for d in done)
         widest = max(done, key=lambda d: d.batch_size)
         self._child("queue", self._admitted, self._admitted + int(queue_s * 1e9))
+        self._admitted = 0
         self.span.set_attributes({
             "attention.queue_ms": queue_s * 1e3, "attention.compute_ms": max(d.compute_s for d in done) * 1e3,
             "attention.batch_size": widest.batch_size, "attention.padded_length": widest.padded_length,
@@ -110,6 +111,8 @@ class CallTrace:
     def end(self, code: str, model: str, attributes: Mapping[str, Any]) -> None:
         """The call is answered with `code` (a gRPC code name; status ERROR unless OK), on `model` ("" none)."""
         now = time.time_ns()
+        if self._admitted:  # admitted, never computed: it failed (or its caller left) queued or in its forward
+            self._child("queue", self._admitted, now, {"attention.unfinished": True})
         if self._ran:
             self._child("encode", self._ran, now)
         span = self.span
@@ -195,11 +198,36 @@ def _parent(headers: Mapping[str, str] | Sequence[tuple[str, Any]]) -> Context |
     return _PROPAGATOR.extract(carrier)
 
 
+class _DropsPerMinute(logging.Filter):
+    """The SDK logs a warning for every span it drops with its queue full (a collector down or too slow for the
+    load): at most one line a minute, with how many were dropped since, rather than a log line per span."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last = -DROP_LOG_S
+        self._dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Queue full"):
+            return True
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._last < DROP_LOG_S:
+            return False
+        record.msg, record.args = "trace export queue full (collector down or too slow): %d span(s) dropped", (
+            self._dropped,)
+        self._last, self._dropped = now, 0
+        return True
+
+
 def build_tracing(config: ServiceConfig, process: str) -> Tracing | None:
     """The process's tracing (`process`: "server", "model" or "edge N", a resource attribute), or None when
     no `otlp_endpoint` is configured. The exporter (and the gRPC or HTTP client it uses) is imported only then."""
     if not config.otlp_endpoint:
         return None
+    sdk_log = logging.getLogger("opentelemetry.sdk._shared_internal")
+    if not any(isinstance(f, _DropsPerMinute) for f in sdk_log.filters):
+        sdk_log.addFilter(_DropsPerMinute())
     resource = Resource({"service.name": config.otlp_service_name, "process.pid": os.getpid(),
                          "attention.process": process})
     provider = TracerProvider(sampler=_Sampler(config.trace_sample_ratio), resource=resource, shutdown_on_exit=False)

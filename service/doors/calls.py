@@ -15,7 +15,7 @@ and stream loops are service/doors/rpc.py's, the HTTP door's its own route wrapp
 grpc or aiohttp.
 
 Tracing (service/tracing.py), when on: the answer or route wrapper starts the call's span and sets
-`CALL_TRACE` for the call's task; `run` notes its stages' times there (the spans `decode`, `plan`, `queue`),
+`CALL_TRACE` for the call's task; `run` notes its stages' times there (the spans `decode`, `queue`, `encode`),
 hands its span context to the batcher with each sequence (`Request.trace`, which the forward spans link
 to), and `failure` the message its caller is told. Off, `CALL_TRACE` is None and each stage's test for it
 is all tracing costs.
