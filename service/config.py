@@ -30,6 +30,7 @@ CHOICES = {
     "backend": ("auto", "torchscript", "aoti"),
     "log_level": ("debug", "info", "warning", "error"),
     "model_control": ("none", "explicit"),
+    "otlp_protocol": ("grpc", "http"),
 }
 
 # What a model may set for itself (models file, `Engine.load_model`); the rest is the service's.
@@ -199,6 +200,17 @@ class ServiceConfig:
     reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
     log_level: str = _opt("info", "debug | info | warning | error")
     min_deadline_ms: float = _opt(1.0, "calls arriving with less time than this left get DEADLINE_EXCEEDED at once")
+    # Tracing (docs/tracing.md): OpenTelemetry spans exported over OTLP; off, and free, without an endpoint
+    otlp_endpoint: str = _opt("", "OTLP collector to export traces to: http://HOST:PORT (plaintext) or "
+                                  "https://HOST:PORT (TLS); over http a path other than / is kept as given, else "
+                                  "/v1/traces (empty = tracing off: no spans, no cost)")
+    otlp_protocol: str = _opt("grpc", "grpc | http: OTLP over gRPC (the collector's port 4317) or over HTTP with "
+                                      "protobuf bodies (4318)")
+    otlp_service_name: str = _opt("attention-service", "service.name of the traces' resource")
+    trace_sample_ratio: float = _opt(1.0, "fraction of calls traced, by trace id (0..1); a caller's traceparent "
+                                          "decides for its own calls (sampled or not)")
+    otlp_export_delay_ms: float = _opt(2000.0, "finished spans wait at most this long to be exported together "
+                                               "(sooner when 512 are waiting)")
     # Security (see service/doors/security.py)
     tls_cert: str = _opt("", "PEM server certificate (chain); with --tls-key, the gRPC port speaks TLS only")
     tls_key: str = _opt("", "PEM private key of --tls-cert")
@@ -287,11 +299,25 @@ class ServiceConfig:
                 f"max_batch_size ({self.max_batch_size}) cannot exceed max_batch_tokens ({self.max_batch_tokens})"
             )
         _check("memory_budget_mb", self.memory_budget_mb, 0, None)
+        self._check_tracing()
         for entry in self.models:
             try:
                 self.for_model(entry)
             except ValueError as e:
                 raise ValueError(f"model {entry.name or entry.path!r}: {e}") from None
+
+    def _check_tracing(self) -> None:
+        endpoint = self.otlp_endpoint
+        if endpoint:
+            scheme, _, rest = endpoint.partition("://")
+            host = rest.split("/", 1)[0]
+            if scheme not in ("http", "https") or not host or " " in endpoint:
+                raise ValueError(f"otlp_endpoint must be a URL, http://HOST:PORT (plaintext) or https://HOST:PORT "
+                                 f"(TLS); got {endpoint!r}")
+        _check("trace_sample_ratio", self.trace_sample_ratio, 0, 1)
+        _check("otlp_export_delay_ms", self.otlp_export_delay_ms, 1, 60_000)
+        if not self.otlp_service_name.strip():
+            raise ValueError("otlp_service_name must not be empty")
 
     def _check_models(self) -> None:
         """`models` as entries (a string of NAME=PATH entries parsed, the models file read when `models` is

@@ -41,6 +41,7 @@ from service.jobs import Job, ModelSpec
 from service.memory import MIB, estimate_bytes, release, used_bytes
 from service.metrics import Metrics
 from service.runner import Runner
+from service.tracing import Tracing
 from service.tuning import (
     BatchChoice,
     WorkersChoice,
@@ -207,10 +208,12 @@ class Engine:
     are measured at its own. Start-up loads the default model first: if it fails, start-up fails; another
     that fails is logged by name and kept in `failed` (name -> why), and the service starts without it."""
 
-    def __init__(self, config: ServiceConfig, metrics: Metrics, hooks: FaultHooks) -> None:
+    def __init__(self, config: ServiceConfig, metrics: Metrics, hooks: FaultHooks, tracing: Tracing | None = None
+                 ) -> None:
         self.config = config
         self.metrics = metrics
         self.hooks = hooks
+        self.tracing = tracing  # None: off; else each model's forwards are traced (service/tracing.py)
         self.threads = ModelThreads(model_workers(config))  # fewer once a split is measured (`load`)
         self.scheduler: Scheduler[Job] = Scheduler(self.threads)
         self.models: dict[str, LoadedModel] = {}  # by served name, the default first
@@ -427,7 +430,8 @@ class Engine:
             lane: Batcher[Job] = Batcher(self.hooks.runner(runner), limits, threads, observer=observer,
                                          make_queue=self.hooks.queue(),
                                          after_batch=runner.after_batch if runner.diagnostics else None,
-                                         scheduler=self.scheduler, name=name)
+                                         scheduler=self.scheduler, name=name,
+                                         tracer=self.tracing.forwards(name) if self.tracing is not None else None)
             observer.on_limits(limits.max_queue_tokens)
             observer.on_choices((bundle_name, spec.version, spec.device), spec.precision,
                                 _source(spec.precision_reason), spec.precision_forward_ms, spec.max_batch_tokens,

@@ -38,6 +38,7 @@ from service.config import ServiceConfig
 from service.doors.grpc_server import grpc_options, ledger
 from service.doors.ports import port_error
 from service.metrics import Metrics, serve_metrics
+from service.tracing import build_tracing
 
 if TYPE_CHECKING:
     from service.engine import Engine
@@ -85,12 +86,15 @@ class Fronts:
 
 class Lifecycle:
     """The health servicer, the metrics port (`registry` served at /metrics), the plaintext health
-    port, and the drain. `open()` before anything listens; `serving()` once the model is warm."""
+    port, the process's tracing (None: off; service/tracing.py; `process` names this process in its traces),
+    and the drain. `open()` before anything listens; `serving()` once the model is warm."""
 
-    def __init__(self, config: ServiceConfig, metrics: Metrics, registry: CollectorRegistry) -> None:
+    def __init__(self, config: ServiceConfig, metrics: Metrics, registry: CollectorRegistry,
+                 process: str = "server") -> None:
         self.config = config
         self.metrics = metrics
         self.registry = registry
+        self.tracing = build_tracing(config, process)
         self.health = health.aio.HealthServicer()
         self.health_grpc: grpc.aio.Server | None = None
         self.health_port = 0
@@ -158,6 +162,7 @@ class Lifecycle:
             self._httpd.server_close()
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
+        await self.close_tracing()
 
     async def close_ports(self) -> None:
         """Close what `open()` opened, for a start-up that failed before any drain."""
@@ -167,6 +172,13 @@ class Lifecycle:
             self._httpd = None
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
+        await self.close_tracing()
+
+    async def close_tracing(self) -> None:
+        """The spans not yet exported go out now (within a few seconds, whatever the collector does)."""
+        tracing, self.tracing = self.tracing, None
+        if tracing is not None:
+            await asyncio.to_thread(tracing.shutdown)
 
 
 def start_metrics(config: ServiceConfig, registry: CollectorRegistry) -> Any:

@@ -52,10 +52,12 @@ class Server:
         self.lifecycle = Lifecycle(config, self.metrics, registry)
         self.health = self.lifecycle.health
         self.hooks = FaultHooks.from_config(config)
-        self.engine = Engine(config, self.metrics, self.hooks)
+        tracing = self.lifecycle.tracing
+        self.engine = Engine(config, self.metrics, self.hooks, tracing)
         self.threads = self.engine.threads
         # Every door over one call layer; the HTTP door (docs/http.md) on its own port, drained with gRPC.
-        doors = build_doors(config, Calls(config, self.serving, self.metrics), self.health, self.engine.workers)
+        doors = build_doors(config, Calls(config, self.serving, self.metrics, tracing), self.health,
+                            self.engine.workers)
         self.grpc, self.port = doors.grpc.server, doors.grpc.port
         self.http: HttpDoor | None = doors.http
         self.http_port = self.http.port if self.http is not None else 0

@@ -8,9 +8,18 @@ from service.batching.batcher import Batcher
 from service.batching.queue import BatchQueue
 from service.batching.scheduler import Scheduler
 from service.batching.threads import ModelThreads
-from service.batching.types import BatchLimits, BatchObserver, BatchRunner, Done, InFlight, Item, Request
+from service.batching.types import (
+    BatchLimits,
+    BatchObserver,
+    BatchRunner,
+    BatchTracer,
+    Done,
+    InFlight,
+    Item,
+    Request,
+)
 
 __all__ = [
-    "BatchLimits", "BatchObserver", "BatchQueue", "BatchRunner", "Batcher", "Done", "InFlight", "Item",
+    "BatchLimits", "BatchObserver", "BatchQueue", "BatchRunner", "BatchTracer", "Batcher", "Done", "InFlight", "Item",
     "ModelThreads", "Request", "Scheduler",
 ]

@@ -37,6 +37,9 @@ The contract (held by tests/service/test_batcher.py):
   the batch still counts as running, narrow (the thread is busy: what queues meanwhile goes to the
   followers beside it, and a lone call is not left waiting for the lead); a batch without side work is
   retired before its results go out, as always. An exception from either is logged and the loop lives on.
+- `tracer` (service/tracing.py), when given, is told of each forward whose batch holds a request that carries
+  a `trace`, on the model thread as it starts and ends (`BatchTracer`); without one, or with no traced
+  request in a batch, nothing is asked of it.
 - The runner's `execute(payloads)` returns `(outputs, compute_s)`: one output or `ServiceError`
   per item, and the forward's time. An exception from it fails only that batch's items (as
   `ModelFailure`), and the loop lives on.
@@ -78,7 +81,7 @@ from typing import Generic, TypeVar
 from service.batching.queue import BatchQueue
 from service.batching.scheduler import SHUTTING_DOWN, Lane, Scheduler
 from service.batching.threads import ModelThreads
-from service.batching.types import BatchLimits, BatchObserver, BatchRunner, Item, NullObserver, Request
+from service.batching.types import BatchLimits, BatchObserver, BatchRunner, BatchTracer, Item, NullObserver, Request
 
 P = TypeVar("P")
 
@@ -99,12 +102,13 @@ class Batcher(Generic[P]):
         after_batch: Callable[[list[P]], Callable[[], None] | None] | None = None,
         scheduler: Scheduler[P] | None = None,
         name: str = "",
+        tracer: BatchTracer | None = None,
     ) -> None:
         self._own = scheduler is None
         self._scheduler: Scheduler[P] = Scheduler(threads, clock=clock) if scheduler is None else scheduler
         assert self._scheduler.threads is threads, "a lane runs on its scheduler's threads. This is a bug."
         # make_queue: fault hooks hand in one that delays (service/fault_hooks.py)
-        self._lane: Lane[P] = Lane(name, runner, make_queue(limits), observer or NullObserver(), after_batch)
+        self._lane: Lane[P] = Lane(name, runner, make_queue(limits), observer or NullObserver(), after_batch, tracer)
         self._scheduler.attach(self._lane)
 
     @property

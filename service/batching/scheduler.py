@@ -35,6 +35,7 @@ from service.batching.types import (
     DEADLINE_SLACK_S,
     BatchObserver,
     BatchRunner,
+    BatchTracer,
     Done,
     InFlight,
     Item,
@@ -66,6 +67,7 @@ class Lane(Generic[P]):
     queue: BatchQueue[P]
     observer: BatchObserver = field(default_factory=NullObserver)
     after_batch: Callable[[list[P]], Callable[[], None] | None] | None = None
+    tracer: BatchTracer | None = None  # None: tracing off (a request's `trace` is then never looked at)
     accepting: bool = True
     refusal: str = SHUTTING_DOWN  # the ShuttingDown message once it stops accepting
     attached: bool = True  # False once removed from its scheduler (aclose)
@@ -83,6 +85,7 @@ class _Batch(Generic[P]):
     lane: Lane[P]
     items: list[Item[P]]
     charged: float  # the estimate charged to the lane's tag when it was chosen
+    traced: object = None  # its forward's handle from the lane's tracer, when one of its requests is traced
 
     @property
     def tokens(self) -> int:
@@ -427,7 +430,13 @@ class Scheduler(Generic[P]):
         batch = work.items
         padded = max(item.request.length for item in batch)
         queue_s = [started - item.enqueued_at for item in batch]
-        work.lane.observer.on_batch(len(batch), padded, sum(i.request.length for i in batch), queue_s, wide)
+        real = sum(i.request.length for i in batch)
+        work.lane.observer.on_batch(len(batch), padded, real, queue_s, wide)
+        tracer = work.lane.tracer
+        if tracer is not None:  # tracing off: this test is all it costs
+            traces = [item.request.trace for item in batch if item.request.trace is not None]
+            if traces:
+                work.traced = tracer.start(traces, len(batch), padded, real, wide)
 
     def _deliver(self, work: _Batch[P], started: float, run: Callable[[], tuple[Sequence[Any], float]]) -> None:
         """Run the batch's computation, retire it, and resolve its futures, whatever happens. Retired
@@ -439,6 +448,8 @@ class Scheduler(Generic[P]):
         compute_s: float | None = None
         try:
             outcomes, compute_s = self._outcomes(work, started, run)
+            if work.traced is not None:
+                self._end_trace(work, outcomes)
             if work.lane.after_batch is not None:  # off (attention health unsampled): this test is all it costs
                 side = self._side_work(work, work.lane.after_batch)
         finally:
@@ -447,6 +458,14 @@ class Scheduler(Generic[P]):
         self._settle_all(outcomes)
         if side is not None:
             self._run_side_work(work, side, compute_s)
+
+    def _end_trace(self, work: _Batch[P], outcomes: list[tuple[asyncio.Future[Done], Any]]) -> None:
+        tracer = work.lane.tracer
+        try:
+            if tracer is not None:
+                tracer.end(work.traced, sum(isinstance(out, BaseException) for _, out in outcomes))
+        except Exception:  # noqa: BLE001 - tracing must not end the loop, nor keep a batch's results
+            log.exception("the tracer failed on a batch of %d", len(work.items))
 
     def _retire(self, work: _Batch[P], compute_s: float | None) -> None:
         with self._cond:

@@ -1,6 +1,7 @@
 """The batcher's data and the interfaces it is given (batching/batcher.py has the contract): its
-limits, a request and what its future resolves to, a queued item, the observer it reports to, and
-the runner it feeds (`BatchRunner`: service/runner.py in production, fakes in tests)."""
+limits, a request and what its future resolves to, a queued item, the observer it reports to, the
+tracer of its forwards, and the runner it feeds (`BatchRunner`: service/runner.py in production, fakes
+in tests)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ class BatchLimits:
 
 @dataclass(frozen=True)
 class Request(Generic[P]):
-    """One sequence to compute: an opaque payload, its length and its computation key."""
+    """One sequence to compute: an opaque payload, its length and its computation key; `trace`, the traced
+    call it belongs to (opaque here: the tracing layer's, service/tracing.py), or None."""
 
     payload: P
     length: int
     key: Hashable
+    trace: object = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,16 @@ class NullObserver:
 
     def on_dropped(self, reason: str, count: int) -> None:
         pass
+
+
+class BatchTracer(Protocol):
+    """Where a lane's forwards are traced (service/tracing.py implements it). Only a batch that holds a request
+    with a `trace` is reported: `start` on its model thread as its forward starts, with the traces of its
+    requests that have one (a call's several sequences each bring theirs), returning a handle; `end(handle,
+    failed)` as it ends, with how many of its items failed. Neither may raise."""
+
+    def start(self, traces: list[object], size: int, padded_length: int, real_tokens: int, wide: bool) -> object: ...
+    def end(self, handle: object, failed: int) -> None: ...
 
 
 class InFlight(Protocol):

@@ -31,7 +31,7 @@ class AttentionServicer:
 
     def __init__(self, calls: Calls) -> None:
         self._calls = calls
-        self._rpc = Rpc(calls)
+        self._rpc = Rpc(calls, SERVICE_NAME, "attention.v1")
         self._config = calls.config
 
     # -- one call each: decode -> run -> encode ----------------------------------------------------
@@ -99,7 +99,7 @@ class AttentionServicer:
                 return await serialize(await self._encode(request, remaining(context, self._config)))
 
             return await self._rpc.answer_in_stream(
-                "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString())
+                "EncodeStream", work, lambda error: _stream_error(request_id, error).SerializeToString(), context)
 
         async with contextlib.aclosing(self._rpc.stream(requests, one)) as responses:
             async for response in responses:

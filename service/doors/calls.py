@@ -13,6 +13,12 @@ its wire from the `Ran`. `run` is the only place that plans a call and hands it 
 `failure` maps whatever a call raised to the error its caller sees, counted once; the gRPC doors' answer
 and stream loops are service/doors/rpc.py's, the HTTP door's its own route wrapper. Nothing here imports
 grpc or aiohttp.
+
+Tracing (service/tracing.py), when on: the answer or route wrapper starts the call's span and sets
+`CALL_TRACE` for the call's task; `run` notes its stages' times there (the spans `decode`, `queue`, `encode`),
+hands its span context to the batcher with each sequence (`Request.trace`, which the forward spans link
+to), and `failure` the message its caller is told. Off, `CALL_TRACE` is None and each stage's test for it
+is all tracing costs.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from service.metrics import Metrics
 from service.output_range import check_representable
 from service.plan import INLINE_CHARS, Ask, Names, Plan, ResponseSize, check_count, plan_call, tokenize
 from service.tasks import label_scores, late_scores, ranked, rerank_scores
+from service.tracing import CallTrace, Tracing
 
 if TYPE_CHECKING:
     from model.text import Encoded
@@ -89,6 +96,8 @@ class Repository(Protocol):
 # The served name of the model the call this task handles runs on ("" until a door has found it): what the
 # request metrics of a call are labelled with (service/doors/grpc_metrics.py, the HTTP door's route wrapper).
 CALL_MODEL: ContextVar[str] = ContextVar("call_model", default="")
+# The traced call this task handles (service/tracing.py): None when tracing is off or the call is not sampled.
+CALL_TRACE: ContextVar[CallTrace | None] = ContextVar("call_trace", default=None)
 
 
 @dataclass
@@ -215,10 +224,12 @@ def check_dtypes(plan: Plan, outputs: Sequence[Output]) -> None:
 class Calls:
     """The shared call layer of one process (see the module docstring)."""
 
-    def __init__(self, config: ServiceConfig, serving: Serving, metrics: Metrics) -> None:
+    def __init__(self, config: ServiceConfig, serving: Serving, metrics: Metrics, tracing: Tracing | None = None
+                 ) -> None:
         self.config = config
         self.serving = serving
         self.metrics = metrics
+        self.tracing = tracing  # None: tracing off (service/tracing.py)
 
     def model(self, name: str = "") -> Model:
         """The model a call names, ready (`Serving.model`)."""
@@ -231,23 +242,36 @@ class Calls:
         spec = model.spec
         CALL_MODEL.set(spec.name)  # the call's metrics are this model's (a door may have looked up another first)
         started = time.perf_counter()
+        trace = CALL_TRACE.get()
+        if trace is not None:
+            trace.run()
         try:
             plan = await plan_call(ask, spec, model.config or self.config, names, response_size)
         except NonFiniteInput:
             self.metrics.nonfinite_inputs.inc()
             raise
         plan_s = time.perf_counter() - started
+        if trace is not None:
+            trace.planned(len(plan.sequences), plan.tokens, plan.task)
         done = await self.compute(model, plan.jobs, seconds)
         outputs = plan.finish([d.output for d in done])
         check(plan, outputs)
-        ran = Ran(plan, spec, done, outputs, plan_s=plan_s)
+        ran = self._answer(Ran(plan, spec, done, outputs, plan_s=plan_s))
+        if trace is not None:
+            trace.ran()
+        return ran
+
+    @staticmethod
+    def _answer(ran: Ran) -> Ran:
+        """The run, with its task's answer (label scores, rerank scores and ranking)."""
+        plan, spec, outputs = ran.plan, ran.spec, ran.outputs
         if plan.task == "classify":
             labels = [label_scores(x, spec.problem_type, plan.raw_scores) for x in ran.logits]
             return dataclasses.replace(ran, labels=labels)
         if plan.task == "rerank":
             if plan.late is not None:  # a late-interaction model: token vectors, scored as its authors score them
                 scores = late_scores(outputs, *plan.late, spec.colbert_reduce)
-                return Ran(plan, spec, done, outputs, scores=scores, ranking=ranked(scores, plan.top_n))
+                return dataclasses.replace(ran, scores=scores, ranking=ranked(scores, plan.top_n))
             scores = rerank_scores(ran.logits, plan.raw_scores)
             return dataclasses.replace(ran, scores=scores, ranking=ranked(scores, plan.top_n))
         return ran
@@ -279,7 +303,13 @@ class Calls:
             raise DeadlineUnmeetable(f"deadline too short: {max(seconds, 0) * 1e3:.1f} ms left; "
                                      f"this service needs at least {floor_ms:g} ms")
         admission = model.admission
-        items = admission.submit([Request(job, job.length, job.key) for job in jobs], time.monotonic() + seconds)
+        trace = CALL_TRACE.get()
+        link = None
+        if trace is not None:
+            trace.admitted()
+            link = trace.link
+        items = admission.submit([Request(job, job.length, job.key, link) for job in jobs],
+                                 time.monotonic() + seconds)
         try:
             async with asyncio.timeout(seconds):
                 # One sequence (the common call) awaits its future directly: gather() would add a
@@ -293,6 +323,8 @@ class Calls:
             # may still be queued. Items that ran or are running are left alone.
             admission.cancel(items)
         self.metrics.on_sequences(len(done), model.spec.name)
+        if trace is not None:
+            trace.computed(done)
         return done
 
     def failure(self, exc: BaseException, method: str) -> ServiceError:
@@ -302,7 +334,11 @@ class Calls:
         (holding the request, up to a message's worth of bytes) would otherwise live on in a reference
         cycle until the garbage collector next runs."""
         try:
-            return self._failure(exc, method)
+            error = self._failure(exc, method)
+            trace = CALL_TRACE.get()
+            if trace is not None:
+                trace.failed(error.message)
+            return error
         finally:
             exc.__traceback__ = None
 

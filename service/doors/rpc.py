@@ -7,7 +7,8 @@ UNKNOWN); `Rpc.stream` is a bidirectional stream's loop and `Rpc.answer_in_strea
 it. Every exception is mapped by the shared call layer (service/doors/calls.py `Calls.failure`). Our own
 `CancelledError`s never escape a handler (a caller would hang until its deadline, grpc/grpc#29248). The
 final status code of an RPC is counted in one place, service/doors/grpc_metrics.py, which reads it from
-the call's context.
+the call's context. With tracing on (service/tracing.py), `answer` and `answer_in_stream` also start each
+call's span, its parent the trace context the caller's metadata carries, and end it with the call's code.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from grpc_status import rpc_status
 
 from service.batching.types import DEADLINE_SLACK_S
 from service.config import ServiceConfig
-from service.doors.calls import CALL_MODEL, Calls, being_cancelled
+from service.doors.calls import CALL_MODEL, CALL_TRACE, Calls, being_cancelled
 from service.errors import InvalidInput, Overloaded, ServiceError, status_of
+from service.tracing import CallTrace
 
 MAX_MESSAGE = 256  # a status message echoes parts of the request (a shape, ...): keep it bounded
 T = TypeVar("T")
@@ -51,6 +53,15 @@ def cancel_code(context: grpc.aio.ServicerContext) -> str:
     return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
 
 
+def sent_code(context: grpc.aio.ServicerContext) -> str:
+    """The code name of the status a handler has sent (aborted with), "OK" when none."""
+    code = context.code()
+    if code is None:
+        return "OK"
+    name: str = (code if isinstance(code, grpc.StatusCode) else grpc.StatusCode(code)).name
+    return name
+
+
 def remaining(context: grpc.aio.ServicerContext, config: ServiceConfig) -> float:
     """Seconds this call may take: the caller's deadline, or `default_timeout_s` when it set none
     (`time_remaining()` is None then: never taken as 0). A caller's longer deadline is honoured."""
@@ -59,15 +70,53 @@ def remaining(context: grpc.aio.ServicerContext, config: ServiceConfig) -> float
 
 
 class Rpc:
-    """The gRPC side of the shared call layer: how a door's handler answers (module docstring)."""
+    """The gRPC side of the shared call layer: how a door's handler answers (module docstring). `service` is the
+    door's full gRPC service name and `door` its short name (the spans' `attention.door`)."""
 
-    def __init__(self, calls: Calls) -> None:
+    def __init__(self, calls: Calls, service: str, door: str) -> None:
         self.calls = calls
         self.config = calls.config
+        self.service = service
+        self.door = door
+        self._attributes: dict[str, dict[str, str]] = {}  # method -> its spans' attributes (tracing on)
+
+    def _trace(self, method: str, context: grpc.aio.ServicerContext) -> CallTrace | None:
+        """The call's span, started (tracing on; None when off or not sampled)."""
+        tracing = self.calls.tracing
+        if tracing is None:
+            return None
+        attributes = self._attributes.get(method)
+        if attributes is None:
+            attributes = self._attributes[method] = {
+                "rpc.system": "grpc", "rpc.service": self.service, "rpc.method": method, "attention.door": self.door,
+                "attention.transport": "grpc", "attention.method": method}
+        return tracing.call(f"{self.service}/{method}", context.invocation_metadata() or (), attributes)
 
     async def answer(self, method: str, context: grpc.aio.ServicerContext,
                      work: Callable[[], Awaitable[bytes]]) -> bytes:
-        """Run a unary call's `work`; any failure becomes the caller's status (never UNKNOWN)."""
+        """Run a unary call's `work`; any failure becomes the caller's status (never UNKNOWN). Traced, when
+        tracing is on (the module docstring)."""
+        trace = self._trace(method, context) if self.calls.tracing is not None else None
+        if trace is None:
+            return await self._answer(method, context, work)
+        token = CALL_TRACE.set(trace)
+        code = "UNKNOWN"
+        try:
+            response = await self._answer(method, context, work)
+            code = "OK"
+            return response
+        except grpc.aio.AbortError:
+            code = sent_code(context)
+            raise
+        except asyncio.CancelledError:
+            code = cancel_code(context)
+            raise
+        finally:
+            CALL_TRACE.reset(token)
+            trace.end(code, CALL_MODEL.get(), {"rpc.grpc.status_code": grpc.StatusCode[code].value[0]})
+
+    async def _answer(self, method: str, context: grpc.aio.ServicerContext,
+                      work: Callable[[], Awaitable[bytes]]) -> bytes:
         try:
             return await work()
         except asyncio.CancelledError as exc:
@@ -139,22 +188,39 @@ class Rpc:
                 task.cancel()
 
     async def answer_in_stream(self, method: str, work: Callable[[], Awaitable[T]],
-                               failed: Callable[[ServiceError], T]) -> T:
+                               failed: Callable[[ServiceError], T], context: grpc.aio.ServicerContext) -> T:
         """One request of a stream: `work()`, or `failed(error)` with the error a caller sees; counted
-        in attention_requests_total. The stream goes on either way (unless the call is being cancelled)."""
+        in attention_requests_total, and traced as a call of its own (its parent the trace context of the
+        stream's metadata) when tracing is on. The stream goes on either way (unless the call is being
+        cancelled)."""
         started = time.perf_counter()
+        trace = self._trace(method, context) if self.calls.tracing is not None else None
+        token = CALL_TRACE.set(trace) if trace is not None else None
+        code = "CANCELLED"
         try:
-            response, code = await work(), "OK"
+            response, code = await self._outcome(method, work, failed)
+        except asyncio.CancelledError:
+            code = cancel_code(context)
+            raise
+        finally:
+            if trace is not None and token is not None:
+                CALL_TRACE.reset(token)
+                trace.end(code, CALL_MODEL.get(), {"rpc.grpc.status_code": grpc.StatusCode[code].value[0]})
+        self.calls.metrics.observe_request(method, code, time.perf_counter() - started, CALL_MODEL.get())
+        return response
+
+    async def _outcome(self, method: str, work: Callable[[], Awaitable[T]],
+                       failed: Callable[[ServiceError], T]) -> tuple[T, str]:
+        try:
+            return await work(), "OK"
         except Exception as exc:  # every request of the stream gets an answer, whatever failed
             error = self.calls.failure(exc, method)
-            response, code = failed(error), status_of(error)
+            return failed(error), status_of(error)
         except asyncio.CancelledError as exc:
             if being_cancelled():
                 raise
             error = self.calls.failure(exc, method)
-            response, code = failed(error), status_of(error)
-        self.calls.metrics.observe_request(method, code, time.perf_counter() - started, CALL_MODEL.get())
-        return response
+            return failed(error), status_of(error)
 
 
 async def _in_order(requests: AsyncIterator[bytes], one: Callable[[bytes], Awaitable[T]],

@@ -99,7 +99,7 @@ class TeiV1:
 
     def __init__(self, calls: Calls) -> None:
         self._calls = calls
-        self._rpc = Rpc(calls)
+        self._rpc = Rpc(calls, "tei.v1", "tei.v1")  # five services: each method named "tei.v1.<Service>/<Method>"
         self._config = calls.config
         self._special: dict[int, frozenset[int]] = {}
 
@@ -316,7 +316,7 @@ class TeiV1:
                     request = await parse(request_type, raw, self._config)
                     return await serialize(await work(request, remaining(context, self._config)))
 
-                return await self._rpc.answer_in_stream(method, answer, lambda error: error)
+                return await self._rpc.answer_in_stream(method, answer, lambda error: error, context)
 
             async with contextlib.aclosing(self._rpc.stream(requests, one, ordered=True)) as answers:
                 async for answer in answers:

@@ -39,7 +39,7 @@ SOCKET = "model.sock"
 CONFIG = "config.json"
 
 
-async def run(directory: Path) -> int:
+async def run(directory: Path, index: int = 0) -> int:
     config = ServiceConfig(**json.loads((directory / CONFIG).read_text()))
     registry = CollectorRegistry()
     metrics = Metrics(registry)  # prometheus_client's multiprocess mode: the model process sums every process
@@ -48,7 +48,7 @@ async def run(directory: Path) -> int:
     serving = Serving()
     # The model process serves /metrics and the health port; an edge serves its share of the gRPC port.
     lifecycle = Lifecycle(dataclasses.replace(config, metrics_port=-1, health_port=-1, ready_file=""), metrics,
-                          registry)
+                          registry, f"edge {index}")
     limit = frames.max_frame(config.max_message_bytes)
     try:
         reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
@@ -63,7 +63,8 @@ async def run(directory: Path) -> int:
     config = dataclasses.replace(config, auth_tokens=tokens)  # never in the config file (issue 27, item 9)
     try:
         # Every door; the HTTP door on the HTTP port the model process holds, shared the same way (docs/http.md).
-        doors = build_doors(config, Calls(config, serving, metrics), lifecycle.health, workers, reuse_port=True)
+        doors = build_doors(config, Calls(config, serving, metrics, lifecycle.tracing), lifecycle.health, workers,
+                            reuse_port=True)
     except (RuntimeError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 1
@@ -123,7 +124,7 @@ def main(argv: list[str]) -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[edge {index}]: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    return asyncio.run(run(directory))
+    return asyncio.run(run(directory, index))
 
 
 if __name__ == "__main__":

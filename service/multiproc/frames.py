@@ -6,8 +6,9 @@ Nothing from the socket is unpickled.
     HELLO    model -> edge   JSON (each model's ModelSpec without its tokenizer, aliases, per-call settings and
                              text settings; the default; the model workers), then each tokenizer.json's bytes
     READY    edge -> model   JSON {"pid"}: serving
-    SUBMIT   edge -> model   <dHH deadline (time.monotonic, system-wide on Linux), jobs, the model's index in
-                             HELLO's list; then each job
+    SUBMIT   edge -> model   <dHH25s deadline (time.monotonic, system-wide on Linux), jobs, the model's index
+                             in HELLO's list, the call's trace context (service/tracing.py `packed`: trace id,
+                             span id, flags; zeros when the call is not traced); then each job
     CANCEL   edge -> model   the call's caller is gone: drop its queued jobs
     RESULT   model -> edge   one job's Done: <HddIIB index, queue_s, compute_s, batch size, padded length,
                              fp32 re-run; then hidden, pooled, attention, head scores, token vectors (arrays, each
@@ -35,7 +36,7 @@ from service.jobs import Job, ModelSpec, Output
 
 HEADER = struct.Struct("<IBQ")
 HELLO, READY, SUBMIT, CANCEL, RESULT, ERROR, DRAIN, BYE = range(1, 9)
-_SUBMIT = struct.Struct("<dHH")  # deadline, jobs, the model (its index in HELLO's list)
+_SUBMIT = struct.Struct("<dHH25s")  # deadline, jobs, the model (its index in HELLO's list), trace context
 _JOB = struct.Struct("<BBHBI")  # flags, pooling, attention layers, head (an index of _HEADS), attend
 _HEADS = ("", "classify", "rerank", "sparse")
 _RESULT = struct.Struct("<HddIIB")
@@ -105,8 +106,9 @@ def _read_array(body: memoryview, at: int, copy: bool) -> tuple[np.ndarray | Non
 
 # -- jobs ------------------------------------------------------------------------------------------
 
-def submit(call: int, deadline: float, jobs: list[Job], model: int = 0) -> bytes:
-    parts = [_SUBMIT.pack(deadline, len(jobs), model)]
+def submit(call: int, deadline: float, jobs: list[Job], model: int = 0, trace: bytes = b"") -> bytes:
+    """A call's jobs for the model at index `model`, and its trace context (25 bytes, or b"": none)."""
+    parts = [_SUBMIT.pack(deadline, len(jobs), model, trace)]
     for job in jobs:
         flags = ((_IDS if job.token_ids is not None else 0) | (_EMBEDDINGS if job.embeddings is not None else 0)
                  | (_CAUSAL if job.causal else 0) | (_HEADS_MEAN if job.heads_mean else 0)
@@ -118,8 +120,9 @@ def submit(call: int, deadline: float, jobs: list[Job], model: int = 0) -> bytes
     return frame(SUBMIT, call, *parts)
 
 
-def read_submit(body: memoryview) -> tuple[float, list[Job], int]:
-    deadline, count, model = _SUBMIT.unpack_from(body, 0)
+def read_submit(body: memoryview) -> tuple[float, list[Job], int, bytes]:
+    """(deadline, jobs, model index, trace context: 25 bytes, zeros for none)."""
+    deadline, count, model, trace = _SUBMIT.unpack_from(body, 0)
     at = _SUBMIT.size
     jobs = []
     for _ in range(count):
@@ -141,7 +144,7 @@ def read_submit(body: memoryview) -> tuple[float, list[Job], int]:
                         return_hidden=bool(flags & _HIDDEN), normalize=bool(flags & _NORMALIZE),
                         head=_HEADS[head], token_types=types, vectors=bool(flags & _VECTORS), vector_rows=rows,
                         attend=attend))
-    return deadline, jobs, model
+    return deadline, jobs, model, trace
 
 
 # -- outcomes --------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ from service.metrics import Metrics
 from service.multiproc import frames
 from service.multiproc.edge_worker import CONFIG, SOCKET
 from service.process import Lifecycle, run, signal_queue
+from service.tracing import unpacked
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +218,10 @@ class ModelHost:
         self.metrics = Metrics(CollectorRegistry())
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
         multiprocess.MultiProcessCollector(self.totals, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
-        self.lifecycle = Lifecycle(config, self.metrics, self.totals)
+        self.lifecycle = Lifecycle(config, self.metrics, self.totals, "model")
         self.health = self.lifecycle.health
         self.hooks = FaultHooks.from_config(config)
-        self.engine = Engine(config, self.metrics, self.hooks)
+        self.engine = Engine(config, self.metrics, self.hooks, self.lifecycle.tracing)
         self.threads = self.engine.threads
         self.slots = [EdgeSlot(i) for i in range(config.edge_processes)]
         self.batcher: Batcher[Job] | None = None
@@ -310,12 +311,13 @@ class ModelHost:
             while True:
                 kind, call, body = await frames.read_frame(reader, self.max_frame)
                 if kind == frames.SUBMIT:
-                    deadline, jobs, model = frames.read_submit(body)
+                    deadline, jobs, model, traced = frames.read_submit(body)
                     if model >= len(lanes):
                         raise frames.FrameError(f"model index {model}: {len(lanes)} models served")
                     batcher = owner[call] = lanes[model]
+                    link = unpacked(traced)  # the edge's call span, which this model's forward spans link to
                     try:
-                        items = batcher.submit([Request(job, job.length, job.key) for job in jobs], deadline)
+                        items = batcher.submit([Request(job, job.length, job.key, link) for job in jobs], deadline)
                     except ServiceError as exc:  # refused: Overloaded, ShuttingDown
                         writer.write(frames.error(call, -1, exc))
                         continue

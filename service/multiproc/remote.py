@@ -21,6 +21,7 @@ from service.batching import Done, Item, Request
 from service.errors import ServiceError, ShuttingDown
 from service.jobs import Job
 from service.multiproc import frames
+from service.tracing import packed
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ class ModelClient:
         self._calls[call] = items
         self._call_of[items[0]] = call
         self._unanswered[call] = len(items)
-        self._writer.write(frames.submit(call, deadline, [r.payload for r in requests], model))
+        # The call's span context (one per call, on each of its requests; service/tracing.py), for the forwards.
+        traced = packed(requests[0].trace) if requests else packed(None)
+        self._writer.write(frames.submit(call, deadline, [r.payload for r in requests], model, traced))
         return items
 
     def cancel(self, items: Sequence[Item[Job]]) -> None:

@@ -119,6 +119,14 @@ def test_rooms_that_import_no_torch(room: str) -> None:
         assert not heavy, f"{module} reaches torch through {heavy}"
 
 
+def test_the_batcher_and_the_model_know_nothing_of_tracing() -> None:
+    """Tracing is a layer (service/tracing.py): the batcher is handed a generic hook and opaque per-request
+    traces, and imports no opentelemetry; nor does the model."""
+    for module in (m for m in MODULES if m.startswith(("service.batching", "model"))):
+        assert "opentelemetry" not in all_imports(module), module
+        assert "service.tracing" not in _closure(module), module
+
+
 def test_server_does_not_import_multiproc_and_model_imports_no_grpc() -> None:
     assert not {m for m in _closure("service.server") if m.startswith("service.multiproc")}
     for module in (m for m in MODULES if m.startswith("model")):

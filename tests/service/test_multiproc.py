@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2
+from opentelemetry.trace import SpanContext, TraceFlags
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as v2
@@ -33,6 +34,7 @@ from model import faults
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1 import attention_pb2_grpc
 from proto.attention.v1.codec import SERVICE_NAME
+from service import tracing
 from service.config import ServiceConfig
 from service.multiproc import frames
 from service.multiproc.host import reserve_port
@@ -424,9 +426,16 @@ def test_jobs_and_results_cross_bit_for_bit():
             Job(None, rng.standard_normal((4, 32)).astype(np.float32)),
             Job(rng.integers(0, 100, 5), None, return_hidden=False, head="rerank",
                 token_types=np.array([0, 0, 1, 1, 1], np.int64))]
-    kind, call, body = _parse(frames.submit(11, 123.5, jobs, model=3))
-    deadline, back, model = frames.read_submit(body)
+    link = SpanContext(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, is_remote=False,
+                       trace_flags=TraceFlags(1))
+    kind, call, body = _parse(frames.submit(11, 123.5, jobs, model=3, trace=tracing.packed(link)))
+    deadline, back, model, traced = frames.read_submit(body)
     assert (kind, call, deadline, model) == (frames.SUBMIT, 11, 123.5, 3)
+    crossed = tracing.unpacked(traced)  # the call's span context, which the model process's forwards link to
+    assert crossed is not None and crossed.is_remote
+    assert (crossed.trace_id, crossed.span_id, crossed.trace_flags) == (link.trace_id, link.span_id, 1)
+    _, _, body = _parse(frames.submit(12, 1.0, jobs[:1]))  # an untraced call: zeros, read back as none
+    assert tracing.unpacked(frames.read_submit(body)[3]) is None and tracing.packed(None) == bytes(25)
     for a, b in zip(jobs, back, strict=True):
         assert (a.causal, a.attn_layers, a.heads_mean, a.pooling, a.return_hidden, a.normalize, a.head) == (
             b.causal, b.attn_layers, b.heads_mean, b.pooling, b.return_hidden, b.normalize, b.head)

@@ -15,7 +15,9 @@ The caller's deadline is its `grpc-timeout` header, else `default_timeout_s` (se
 Every call of a route (health routes aside) is counted in attention_requests_total{method, code} with
 the gRPC code name of its outcome (so the alerts on code="INTERNAL" see this door too), method being
 "<VERB> <route>", e.g. "POST /v1/embeddings". Whatever a handler raises is answered in its dialect
-(service/doors/http/wire.py `Dialect`), never a traceback.
+(service/doors/http/wire.py `Dialect`), never a traceback. With tracing on (service/tracing.py), the same
+calls are traced: the route wrapper starts each one's span, its parent the trace context of the request's
+`traceparent`/`tracestate` headers, and ends it with the call's code and HTTP status.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from service.config import ServiceConfig
-from service.doors.calls import CALL_MODEL, Calls, Serving, being_cancelled
+from service.doors.calls import CALL_MODEL, CALL_TRACE, Calls, Serving, being_cancelled
 from service.doors.http import deadline
 from service.doors.http.wire import Dialect, Handler, Route, Routes
 from service.doors.ports import port_error
@@ -154,15 +156,20 @@ class HttpDoor:
         method = f"{route.verb} {route.path}"
         work, counted, calls, metrics = route.handle, not route.health, self._calls, self._calls.metrics
         default_timeout_s = self._config.default_timeout_s
+        tracing = calls.tracing if counted else None  # health routes, like probes, are not traced
+        attributes = {"http.request.method": route.verb, "http.route": route.path, "attention.door": dialect.name,
+                      "attention.transport": "http", "attention.method": method}
 
         async def handle(request: web.Request) -> web.StreamResponse:
             started = time.perf_counter()
-            code = "CANCELLED"  # the caller went away (aiohttp cancelled this handler)
+            trace = tracing.call(method, request.headers, attributes) if tracing is not None else None
+            token = CALL_TRACE.set(trace) if trace is not None else None
+            code, status = "CANCELLED", 499  # the caller went away (aiohttp cancelled this handler)
             try:
                 try:
                     deadline.start(request.headers.getall(deadline.HEADER, []), default_timeout_s)
                     response = await work(request)
-                    code = "OK"
+                    code, status = "OK", response.status
                     return response
                 except asyncio.CancelledError as exc:
                     if being_cancelled():
@@ -171,10 +178,15 @@ class HttpDoor:
                 except Exception as exc:  # every failure answered in the dialect, never a traceback
                     error = calls.failure(exc, method)
                 code = status_of(error)
-                return dialect.error(error)
+                answer = dialect.error(error)
+                status = answer.status
+                return answer
             finally:
                 if counted:
                     metrics.observe_request(method, code, time.perf_counter() - started, CALL_MODEL.get())
+                if trace is not None and token is not None:
+                    CALL_TRACE.reset(token)
+                    trace.end(code, CALL_MODEL.get(), {"http.response.status_code": status})
 
         self.app.router.add_route(route.verb, route.path, handle)
 

@@ -26,7 +26,7 @@ class KServeServicer:
 
     def __init__(self, core: KServe) -> None:
         self._core = core
-        self._rpc = Rpc(core.calls)
+        self._rpc = Rpc(core.calls, SERVICE_NAME, "kserve")
         self._config = core.calls.config
 
     def rpc_handler(self) -> grpc.GenericRpcHandler:
@@ -107,7 +107,7 @@ class KServeServicer:
                 data: bytes = response.SerializeToString()
                 return data
 
-            return await self._rpc.answer_in_stream("ModelStreamInfer", work, failed)
+            return await self._rpc.answer_in_stream("ModelStreamInfer", work, failed, context)
 
         async with contextlib.aclosing(self._rpc.stream(requests, one)) as responses:
             async for response in responses:
