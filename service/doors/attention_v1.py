@@ -38,17 +38,17 @@ class AttentionServicer:
 
     async def _encode(self, request: pb.EncodeRequest, seconds: float) -> pb.EncodeResponse:
         model = self._calls.model(request.model)
-        ask = wire.encode_ask(request, model.spec, self._config)
+        ask = wire.encode_ask(request, model.spec, model.config or self._config)
         return wire.encode_response(await self._calls.run(model, ask, wire.NAMES, wire.response_bytes, seconds))
 
     async def _classify(self, request: pb.ClassifyRequest, seconds: float) -> pb.ClassifyResponse:
         model = self._calls.model(request.model)
-        ask, names = wire.classify_ask(request, self._config)
+        ask, names = wire.classify_ask(request)
         return wire.classify_response(await self._calls.run(model, ask, names, head_response_bytes, seconds))
 
     async def _rerank(self, request: pb.RerankRequest, seconds: float) -> pb.RerankResponse:
         model = self._calls.model(request.model)
-        ask = wire.rerank_ask(request, self._config)
+        ask = wire.rerank_ask(request)
         ran = await self._calls.run(model, ask, wire.RERANK, head_response_bytes, seconds)
         return wire.rerank_response(ran, request.texts, request.return_text)
 
