@@ -140,19 +140,9 @@ def ledger(registry: CollectorRegistry) -> dict[str, Any]:
 class GrpcFront:
     """The drain's view of a gRPC server (service/process.py `Front`), in this process or an edge process.
 
-    Once the drain refuses new calls, the server answers them UNAVAILABLE "shutting down" for
-    REFUSING_S more (a fifth of the grace at most), then its listener closes and its connections get
-    GOAWAY (so that streaming callers reopen their streams on another replica); calls already accepted
-    have the grace to finish, and the batcher answers what is left just before it ends.
-
-    Why the pause: grpcio's core cancels every call it holds without a handler when its server stops (it
-    reached the server after the stop began, before the caller read the GOAWAY, or just before, not yet
-    handed to Python): the caller sees CANCELLED for a call that never ran (grpc/grpc#41785). A caller
-    that moves on at its first UNAVAILABLE has been told before the stop, so it has nothing in flight
-    then; 16 raw-stub callers at load 8 on 2 cores: 9-14 of 16 CANCELLED without the pause, 0 with it.
-    A caller that keeps calling here after "shutting down" can still see one CANCELLED (docs/reliability.md)."""
-
-    REFUSING_S = 0.25
+    Its listener closes and its connections get GOAWAY as soon as the drain refuses new calls (so that
+    streaming callers reopen their streams on another replica at once); calls already accepted have the
+    grace to finish, and the batcher answers what is left just before it ends."""
 
     def __init__(self, server: grpc.aio.Server, serving: Serving) -> None:
         self._server = server
@@ -166,14 +156,7 @@ class GrpcFront:
         self._serving.draining = True
 
     def close(self, grace: float) -> None:
-        self._stopping = asyncio.create_task(self._stop(grace))
-
-    async def _stop(self, grace: float) -> None:
-        # The pause comes out of the grace: accepted calls still end within it, and so does the drain.
-        refusing = min(self.REFUSING_S, grace / 5)
-        if refusing > 0:
-            await asyncio.sleep(refusing)
-        await self._server.stop(grace - refusing)
+        self._stopping = asyncio.create_task(self._server.stop(grace))
 
     async def closed(self, margin: float) -> None:
         assert self._stopping is not None, "closed() before close(). This is a bug."

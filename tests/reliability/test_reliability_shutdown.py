@@ -279,7 +279,7 @@ async def test_raw_stubs_through_the_drain_get_unavailable_and_cancelled_only_fo
     """Issue 39: raw grpc stubs (no retry policy) calling through a drain. grpcio's core cancels every call
     it holds without a handler when its server stops, and the caller sees CANCELLED (grpc/grpc#41785), so
     the gRPC server refuses new calls UNAVAILABLE "shutting down" for a moment before it stops
-    (GrpcFront.REFUSING_S). A caller that moves on at its first refusal, as the status table tells it to,
+    (service/process.py REFUSING_S). A caller that moves on at its first refusal, as the status table tells it to,
     has nothing in flight by then and ends with UNAVAILABLE (without the pause 9-14 of 16 such callers saw
     CANCELLED at load 8 on 2 cores). A caller that keeps calling after "shutting down" can get CANCELLED,
     but only for a call the service never ran: the server's ledger counts exactly the OKs and the

@@ -50,7 +50,7 @@ async def test_sigterm_drains_in_flight_calls_and_exits_zero(fault_bundle: Path,
                         return error
                     await asyncio.sleep(0.02)
 
-            # Ours, before the gRPC server stops (service/doors/front.py GrpcFront): a call that reached
+            # Ours, before the gRPC server stops (service/process.py REFUSING_S): a call that reached
             # grpcio's core only as it stopped would be CANCELLED, and one after it connection-refused.
             error = await asyncio.wait_for(refused(), 10)
             assert error.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in (error.details() or ""), error
