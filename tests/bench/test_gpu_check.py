@@ -1,7 +1,8 @@
 """bench/gpu_check.py (`make gpu-check`) stays runnable without a GPU: its CPU smoke mode runs every phase
 end to end on the TINY preset, and asking for CUDA where there is none exits 2 with a clear message. The
 MiniLM phase's pieces run on CPU too: the fp16 copy `make gpu-minilm` writes, its conversion, the exactness
-check, the phase itself, and its absence (not run, not a failure)."""
+check on MiniLM; the phase itself on a tiny BERT packed the same way; and its absence (not run, not a
+failure)."""
 
 from __future__ import annotations
 
