@@ -54,15 +54,18 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_fp16_copy(source: Path, out: Path) -> dict[str, Any]:
-    """The fp16 copy of the genuine all-MiniLM-L6-v2 folder `source` in `out` (replaced); returns fp16.json."""
+def write_fp16_copy(source: Path, out: Path, *, pins: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fp16 copy of the genuine all-MiniLM-L6-v2 folder `source` in `out` (replaced); returns fp16.json.
+    `pins`: the sha256 of each file the source must have (default the genuine model's; the CPU test of the
+    phase packs a tiny BERT with its own)."""
     import numpy as np
     from safetensors.torch import load, save
 
     from tests.support.hf_helpers import MINILM_SHA256
 
-    raw = {name: (source / name).read_bytes() for name in MINILM_SHA256}
-    for name, digest in MINILM_SHA256.items():
+    pins = MINILM_SHA256 if pins is None else pins
+    raw = {name: (source / name).read_bytes() for name in pins}
+    for name, digest in pins.items():
         if _sha256(raw[name]) != digest:
             raise ValueError(f"{source / name}: sha256 {_sha256(raw[name])}, pinned {digest}: not the genuine model")
     tensors = load(raw["model.safetensors"])
@@ -74,7 +77,7 @@ def write_fp16_copy(source: Path, out: Path) -> dict[str, Any]:
     np.savez_compressed(out / PACKED, low=data[:, 0], high=data[:, 1])
     for name in FILES:
         shutil.copyfile(source / name, out / name)
-    meta = {"source_sha256": MINILM_SHA256, "fp16_sha256": _sha256(fp16), "fp16_bytes": len(fp16),
+    meta = {"source_sha256": pins, "fp16_sha256": _sha256(fp16), "fp16_bytes": len(fp16),
             "tensors": len(tensors)}
     (out / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
@@ -149,8 +152,11 @@ def _fits(args: argparse.Namespace, deadline: float, extra: float = 5.0) -> bool
     return time.monotonic() + args.warmup + args.duration + extra <= deadline
 
 
-def phase_minilm(args: argparse.Namespace, deadline: float, record: dict[str, Any]) -> dict[str, Any]:
-    """Fills record: exactness (one per device and precision), ceiling, runs (text and calls)."""
+def phase_minilm(args: argparse.Namespace, deadline: float, record: dict[str, Any],
+                 reference: Any = None) -> dict[str, Any]:
+    """Fills record: exactness (one per device and precision), ceiling, runs (text and calls). `reference`:
+    what exactness compares against (default the committed MiniLM references; the CPU test of the phase
+    runs it on a tiny BERT with that model's own)."""
     import torch
 
     from bench.gpu_load import drive
@@ -166,7 +172,7 @@ def phase_minilm(args: argparse.Namespace, deadline: float, record: dict[str, An
         bundle = convert(args.minilm, work / "bundle")
         record["convert_s"] = round(time.monotonic() - started, 1)
         print(f"  converted {args.minilm} in {record['convert_s']:.0f} s", flush=True)
-        reference = load_reference()
+        reference = load_reference() if reference is None else reference
         checks: list[dict[str, Any]] = record.setdefault("exactness", [])
         plan = [("cpu", "fp32"), ("cuda", "fp32"), ("cuda", "fp16"), ("cuda", "bf16")] if cuda else [
             ("cpu", "fp32"), ("cpu", "fp16"), ("cpu", "bf16")]

@@ -20,10 +20,40 @@ ROOT = Path(__file__).resolve().parents[2]
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    # The timeout is a safety net, not a measurement: each run here takes seconds.
-    return subprocess.run([sys.executable, "-m", "model", *argv], capture_output=True, text=True, timeout=240,
-                          cwd=ROOT)
+# `python -m model` once for every command of this file, each as a user runs it (its exit code, stdout and
+# stderr; an exception that escapes `main` printed as the interpreter prints it, exit 1): one process
+# importing torch once instead of seventeen (34 s of CPU before, on a 2-core machine).
+RUNNER = """
+import contextlib, io, json, sys, traceback
+from model.__main__ import main
+results = []
+for argv in json.loads(open(sys.argv[1]).read()):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # as the interpreter ends on it: None is 0, a message is printed and 1
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+open(sys.argv[2], "w").write(json.dumps(results))
+"""
+
+
+def _cli_all(commands: dict[str, list[str]], directory: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every command's outcome, by name, from one `python -m model`-like process."""
+    (directory / "commands.json").write_text(json.dumps(list(commands.values())))
+    # The timeout is a safety net, not a measurement: each command here takes a second or so.
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(directory / "commands.json"),
+                           str(directory / "results.json")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((directory / "results.json").read_text())
+    return {name: subprocess.CompletedProcess(["python", "-m", "model", *argv], code, out, err)
+            for (name, argv), (code, out, err) in zip(commands.items(), results, strict=True)}
 
 
 def _assert_refused(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -42,7 +72,7 @@ def _edit_config(folder: Path, **changes: object) -> None:
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
 
 
-@pytest.mark.parametrize(("case", "fragments"), [
+HF_CASES = [
     ("nested config.json", ["config.json is not readable JSON: nested too deeply"]),
     ("nested modules.json", ["modules.json is not readable JSON: nested too deeply"]),
     ("config.json with a 5000-digit int", ["config.json is not readable JSON", "4300 digits"]),
@@ -54,8 +84,10 @@ def _edit_config(folder: Path, **changes: object) -> None:
     ("max_position_embeddings of a billion", ["max_length=1000000000 and d_model=32, but the position table"]),
     ("an infinite weight", ["blocks.1.ff.fc1.weight <- copy(encoder.layer.1.intermediate.dense.weight): 1 of "
                             "2048 values are not finite"]),
-])
-def test_convert_hf_refuses_crafted_folders(tmp_path: Path, case: str, fragments: list[str]) -> None:
+]
+
+
+def _hf_case(tmp_path: Path, case: str) -> list[str]:
     folder = write_tiny_bert(tmp_path / "hf")
     if case == "nested config.json":
         (folder / "config.json").write_text(DEEP)
@@ -75,8 +107,7 @@ def test_convert_hf_refuses_crafted_folders(tmp_path: Path, case: str, fragments
         state = tiny_bert_state_dict(TINY_BERT)
         state["encoder.layer.1.intermediate.dense.weight"][5, 7] = float("inf")
         write_tiny_bert(folder, state_dict=state)
-    _assert_refused(_cli("convert-hf", "--model-dir", str(folder), "--out", str(tmp_path / "out")), *fragments)
-    assert not (tmp_path / "out").exists()
+    return ["convert-hf", "--model-dir", str(folder), "--out", str(tmp_path / "out")]
 
 
 def _stock_files(tmp_path: Path) -> tuple[Path, dict[str, object]]:
@@ -93,7 +124,7 @@ def _stock_map_with(tok_emb_spec: str) -> str:
     return text.replace(old, f'"tok_emb.weight": {tok_emb_spec}')
 
 
-@pytest.mark.parametrize(("case", "fragments"), [
+CONVERT_CASES = [
     ("nested config", ["EncoderConfig JSON is malformed: nested too deeply"]),
     ("nested key map", ["is malformed: nested too deeply"]),
     ("nested TOML key map", ["is malformed: nested too deeply"]),
@@ -102,8 +133,10 @@ def _stock_map_with(tok_emb_spec: str) -> str:
     ("a million layers", ["n_layers=1000000, but the state_dict holds 2 layers through key map stock"]),
     ("max_length of a billion", ["max_length=1000000000 with d_model=32: no tensor states max_length"]),
     ("times 1e308", ["tok_emb.weight <- copy(embedding.weight) * 1e+308: 3200 of 3200 values are not finite"]),
-])
-def test_convert_refuses_crafted_inputs(tmp_path: Path, case: str, fragments: list[str]) -> None:
+]
+
+
+def _convert_case(tmp_path: Path, case: str) -> list[str]:
     state, config = _stock_files(tmp_path)
     key_map = "stock"
     if case == "nested config":
@@ -127,26 +160,57 @@ def test_convert_refuses_crafted_inputs(tmp_path: Path, case: str, fragments: li
         (tmp_path / "map.json").write_text(_stock_map_with('{"op": "copy", "src": "{embedding}weight", '
                                                            '"times": 1e308}'))
         key_map = str(tmp_path / "map.json")
-    result = _cli("convert", "--state-dict", str(state), "--config", str(tmp_path / "config.json"),
-                  "--out", str(tmp_path / "out"), "--name", "x", "--version", "1", "--key-map", key_map)
-    _assert_refused(result, *fragments)
-    assert not (tmp_path / "out").exists()
+    return ["convert", "--state-dict", str(state), "--config", str(tmp_path / "config.json"),
+            "--out", str(tmp_path / "out"), "--name", "x", "--version", "1", "--key-map", key_map]
 
 
-def test_out_must_be_new_or_empty(tmp_path: Path) -> None:
-    folder = write_tiny_bert(tmp_path / "hf")
-    busy = tmp_path / "busy"
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, subprocess.CompletedProcess[str]]]:
+    """(the folder, each command's outcome by name): every case's inputs crafted in a folder of its own,
+    then all the commands run at once (`_cli_all`)."""
+    root = tmp_path_factory.mktemp("refusals")
+    commands: dict[str, list[str]] = {}
+    for kind, cases, craft in (("hf", HF_CASES, _hf_case), ("convert", CONVERT_CASES, _convert_case)):
+        for number, (case, _) in enumerate(cases):
+            (root / kind / str(number)).mkdir(parents=True)
+            commands[f"{kind}: {case}"] = craft(root / kind / str(number), case)
+    folder = write_tiny_bert(root / "out" / "hf")
+    busy, empty = root / "out" / "busy", root / "out" / "empty"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
-    _assert_refused(_cli("convert-hf", "--model-dir", str(folder), "--out", str(busy)),
-                    f"--out {busy} is not empty (it holds notes.txt)")
-    assert [p.name for p in busy.iterdir()] == ["notes.txt"] and (busy / "notes.txt").read_text() == "mine"
-    (tmp_path / "file").write_text("x")
-    _assert_refused(_cli("default", "--out", str(tmp_path / "file")), "is a file")
-    empty = tmp_path / "empty"
+    (root / "out" / "file").write_text("x")
     empty.mkdir()
-    result = _cli("convert-hf", "--model-dir", str(folder), "--out", str(empty))
-    assert result.returncode == 0, result.stderr
+    commands["busy"] = ["convert-hf", "--model-dir", str(folder), "--out", str(busy)]
+    commands["file"] = ["default", "--out", str(root / "out" / "file")]
+    commands["empty"] = ["convert-hf", "--model-dir", str(folder), "--out", str(empty)]
+    return root, _cli_all(commands, root)
+
+
+@pytest.mark.parametrize(("number", "case", "fragments"), [(n, *c) for n, c in enumerate(HF_CASES)],
+                         ids=[c[0] for c in HF_CASES])
+def test_convert_hf_refuses_crafted_folders(ran: tuple[Path, dict[str, subprocess.CompletedProcess[str]]],
+                                            number: int, case: str, fragments: list[str]) -> None:
+    root, results = ran
+    _assert_refused(results[f"hf: {case}"], *fragments)
+    assert not (root / "hf" / str(number) / "out").exists()
+
+
+@pytest.mark.parametrize(("number", "case", "fragments"), [(n, *c) for n, c in enumerate(CONVERT_CASES)],
+                         ids=[c[0] for c in CONVERT_CASES])
+def test_convert_refuses_crafted_inputs(ran: tuple[Path, dict[str, subprocess.CompletedProcess[str]]],
+                                        number: int, case: str, fragments: list[str]) -> None:
+    root, results = ran
+    _assert_refused(results[f"convert: {case}"], *fragments)
+    assert not (root / "convert" / str(number) / "out").exists()
+
+
+def test_out_must_be_new_or_empty(ran: tuple[Path, dict[str, subprocess.CompletedProcess[str]]]) -> None:
+    root, results = ran
+    busy, empty = root / "out" / "busy", root / "out" / "empty"
+    _assert_refused(results["busy"], f"--out {busy} is not empty (it holds notes.txt)")
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"] and (busy / "notes.txt").read_text() == "mine"
+    _assert_refused(results["file"], "is a file")
+    assert results["empty"].returncode == 0, results["empty"].stderr
     assert sorted(p.name for p in empty.iterdir()) == ["manifest.json", "model.pt", "tokenizer.json"]
 
 

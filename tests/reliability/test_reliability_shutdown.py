@@ -271,3 +271,59 @@ async def test_calls_racing_the_drain_end_are_never_cancelled_for_the_client(fau
     assert set(seen) <= {"OK", "UNAVAILABLE"}, seen
     book = server.exit_ledger()
     assert sum(book["handled"].values()) == book["started"] and "CANCELLED" not in book["handled"], book
+
+
+@MODES
+async def test_raw_stubs_through_the_drain_get_unavailable_and_cancelled_only_for_calls_never_run(
+        fault_bundle: Path, tmp_path: Path, mode: tuple[str, ...]):
+    """Issue 39: raw grpc stubs (no retry policy) calling through a drain. grpcio's core cancels every call
+    it holds without a handler when its server stops, and the caller sees CANCELLED (grpc/grpc#41785), so
+    the gRPC server refuses new calls UNAVAILABLE "shutting down" for a moment before it stops
+    (service/process.py REFUSING_S). A caller that moves on at its first refusal, as the status table tells it to,
+    has nothing in flight by then and ends with UNAVAILABLE (without the pause 9-14 of 16 such callers saw
+    CANCELLED at load 8 on 2 cores). A caller that keeps calling after "shutting down" can get CANCELLED,
+    but only for a call the service never ran: the server's ledger counts exactly the OKs and the
+    "shutting down" answers the callers saw. 16 callers of each kind on 8 channels (bounded: 40 s)."""
+    server = ServerProcess(fault_bundle, "--drain-delay-s", "0.3", "--drain-grace-s", "2", "--log-level", "info",
+                           *mode, directory=tmp_path)
+    seen: dict[str, int] = {}
+    first_refusals: list[str] = []  # the polite callers'
+    channels = [grpc.aio.insecure_channel(server.target) for _ in range(8)]
+    try:
+        stubs = [attention_pb2_grpc.AttentionServiceStub(channel) for channel in channels]
+        end = time.monotonic() + 40
+
+        async def caller(i: int, polite: bool) -> None:
+            while time.monotonic() < end and server.proc.poll() is None:
+                try:
+                    await stubs[i % len(stubs)].Encode(ids_request([1, 2, 3]), timeout=10)
+                    outcome = "OK"
+                except grpc.aio.AioRpcError as error:
+                    assert_clean_status(error)
+                    assert error.code() in (Code.UNAVAILABLE, Code.CANCELLED), error
+                    # Ours ("server shutting down"), or grpcio's (connection refused once the listener closed).
+                    ours = error.code() == Code.UNAVAILABLE and "shutting down" in (error.details() or "")
+                    outcome = error.code().name + (" shutting down" if ours else "")
+                seen[outcome] = seen.get(outcome, 0) + 1
+                if outcome != "OK" and polite:
+                    first_refusals.append(outcome)
+                    return
+                if outcome == "UNAVAILABLE":  # the listener is closed: the drain is over for this caller
+                    return
+
+        callers = [asyncio.create_task(caller(i, polite)) for i in range(16) for polite in (True, False)]
+        await wait_for(lambda: seen.get("OK", 0) >= 100, 30, "the callers to get going")
+        os.kill(server.pid, signal.SIGTERM)
+        await asyncio.wait_for(asyncio.gather(*callers), 60)
+        code = server.proc.wait(timeout=HANG_CAP_S)
+    finally:
+        for channel in channels:
+            await channel.close()
+        server.kill()
+    assert code == 0, server.output()[-3000:]
+    assert len(first_refusals) == 16 and {r.split()[0] for r in first_refusals} == {"UNAVAILABLE"}, (
+        first_refusals, seen)
+    book = server.exit_ledger()
+    assert sum(book["handled"].values()) == book["started"], book
+    assert book["handled"] == {"OK": seen["OK"], "UNAVAILABLE": seen.get("UNAVAILABLE shutting down", 0)}, (
+        book, seen)  # every call the service ran is one the callers saw answered: no CANCELLED among them

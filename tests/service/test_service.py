@@ -149,13 +149,19 @@ async def test_expired_deadline_is_never_computed(start_server, fault_bundle):
     # model is busy for as long as the short call's deadline takes to pass.
     holder = asyncio.ensure_future(s.stub.Encode(ids_request([faults.HANG]), timeout=30))
     await wait_for(lambda: s.sample("attention_batch_size_count") == 1, 10, "the holder's batch to start")
+    # A deadline long enough to reach the queue on a busy machine (50 ms could pass before the call did),
+    # and the call seen queued before it passes.
+    short = s.stub.Encode(ids_request([5, 6, 7]), timeout=2)
+    await wait_for(lambda: s.sample("attention_queue_depth") == 1, 2, "the short call to be queued")
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await s.stub.Encode(ids_request([5, 6, 7]), timeout=0.05)
+        await short
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    faults.HANG_RELEASE.set()
-    await holder
+    # The server's deadline for the call can end a little after the caller's (it counts from when the headers
+    # arrived): the model is freed only once the server has dropped the call, or it would compute it.
     await wait_for(lambda: s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
         "attention_dropped_total", {"reason": "deadline"}) == 1, 10, "the expired call to be dropped")
+    faults.HANG_RELEASE.set()
+    await holder
     assert s.sample("attention_batch_size_count") == 1  # only the holder's batch ran
     assert s.sample("attention_dropped_total", {"reason": "cancelled"}) + s.sample(
         "attention_dropped_total", {"reason": "deadline"}) == 1
