@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 # The precision probe's timing (service/tuning.py timed_rounds): up to 7 interleaved rounds, at least 3 (a
 # median of fewer would be one round's ratio), fewer once about 2 s are spent.
 PROBE_ROUNDS, PROBE_MIN_ROUNDS, PROBE_BUDGET_S = 7, 3, 2.0
+PROBE_SLOW = 2.0  # a candidate this many times fp32's time on its second call cannot win: it is not timed further
 
 
 class RunnerObserver(Protocol):
@@ -201,9 +202,9 @@ class Runner:
         thread. Not at every thread: then each forward waits at every OpenMP barrier for whichever of its
         threads the machine's other work has descheduled, by more in one precision's calls than the other's
         (bench/RESULTS.md). Bounded: a few forwards of 512 tokens each, `timed_rounds` within about 2 s; a
-        candidate more than twice as slow as fp32 on its second call is not timed further. The gate runs on
-        every thread (nothing is timed there): two forwards of the calibration inputs per candidate checked,
-        about 2,700 tokens plus 1.25 times the tokenizer's limit for a text model."""
+        candidate more than twice as slow as fp32 on its second call is not timed further. The gate runs at the
+        same width, for the same reason: the calibration inputs in fp32 and in each candidate checked, about
+        2,200 tokens plus 1.25 times the tokenizer's limit for a text model (MiniLM: 2.2 s at 1 thread, load 6)."""
         device = str(self.device)
         loaded = {"fp32": load_bundle(self._bundle_dir, device=device)}
         ids, lengths = _probe_batch(loaded["fp32"].manifest.config)
@@ -235,7 +236,7 @@ class Runner:
                     loaded.pop(name, None)
                     notes.append(f"{name} cannot run here ({str(exc).splitlines()[0][:80]})")
                     continue
-                if warm > 2 * warm_fp32:  # cannot win: not worth the rounds (fp16 on most CPUs)
+                if warm > PROBE_SLOW * warm_fp32:  # cannot win: not worth the rounds (fp16 on most CPUs)
                     slow[name] = warm
             timed = {name: functools.partial(run, b.module) for name, b in loaded.items() if name not in slow}
             times = timed_rounds(timed, rounds=PROBE_ROUNDS, budget_s=PROBE_BUDGET_S, min_rounds=PROBE_MIN_ROUNDS)
@@ -250,17 +251,22 @@ class Runner:
         fidelities, calibrated = {}, ""
         fast = [name for name, speedup in speedups(ratios).items() if speedup >= MIN_SPEEDUP]
         if fast:
+            _set_threads(width)  # as timed: a wide forward on a busy machine waits on its slowest thread
+            started = time.perf_counter()
             try:
                 calibration = calibration_for(loaded["fp32"])
                 want = list(bundle_outputs(loaded["fp32"], calibration))
                 for name in fast:
                     fidelities[name] = fidelity(bundle_outputs(loaded[name], calibration), want, calibration.groups,
                                                 PRECISION_BOUNDS[name])
-                calibrated = f"{calibration.source}, {calibration.tokens} tokens"
             except Exception as exc:  # noqa: BLE001 - as a failed measurement: fp32
                 log.warning("precision accuracy gate failed; serving fp32", exc_info=True)
                 return loaded["fp32"], None, PrecisionChoice("fp32", f"the accuracy gate failed ({exc}); fp32",
                                                              {name: round(ms, 3) for name, ms in forward_ms.items()})
+            finally:
+                _set_threads(self._threads)
+            calibrated = (f"{calibration.source}, {calibration.tokens} tokens (checked in "
+                          f"{time.perf_counter() - started:.1f} s)")
         rounds = len(times["fp32"])
         choice = choose_precision(ratios, fidelities, f"{measured}, {rounds} interleaved rounds", forward_ms,
                                   calibrated=calibrated)

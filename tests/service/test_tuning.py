@@ -172,9 +172,11 @@ def test_timed_rounds_interleave_and_keep_every_round_in_order():
 
 
 def _reduced_fast(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inject the probe's timing: bf16 4x and fp16 2x fp32's speed, so the accuracy gate decides on any machine."""
+    """Inject the probe's timing: bf16 4x and fp16 2x fp32's speed, so the accuracy gate decides on any machine
+    (however busy: no candidate's first calls are taken as too slow to time)."""
     import service.runner
 
+    monkeypatch.setattr(service.runner, "PROBE_SLOW", float("inf"))
     monkeypatch.setattr(service.runner, "timed_rounds", lambda runs, **_: {
         name: [{"fp32": 0.04, "bf16": 0.01, "fp16": 0.02}[name]] * 3 for name in runs})
 
@@ -285,6 +287,7 @@ def test_the_probe_is_timed_at_one_workers_width_and_its_rounds_ratios_decide(ti
         return {name: times.get(name, [1.0] * 4) for name in runs}
 
     monkeypatch.setattr(service.runner, "timed_rounds", rounds)
+    monkeypatch.setattr(service.runner, "PROBE_SLOW", float("inf"))  # however busy the machine
     runner = Runner(test_config(tiny_bundle, precision="auto", torch_threads=2), str(tiny_bundle),
                     Metrics(CollectorRegistry()), workers=2)
     spec = runner.load()
