@@ -77,14 +77,13 @@ def text_calibration(tokenizer: TextTokenizer, max_length: int, *, pairs: bool =
     with `pairs`, (query, passage) pairs as a rerank call tokenizes them."""
     queries, passages, answers = load_texts()
     limit = min(tokenizer.settings.max_tokens, max_length)
-    rows = [e.ids for e in tokenizer.encode([*queries, *passages], truncate=True)]
-    rows = [r[:limit] for r in rows]
+    rows = [e.ids for e in tokenizer.encode([*queries, *passages], truncate=True)]  # max_tokens <= max_length
     longest = max(len(r) for r in rows)
     whole = tokenizer.encode([" ".join(passages)], truncate=False)[0].ids
-    while len(whole) < limit:  # as many passages again as it takes to reach the limit
+    while 2 < len(whole) < limit:  # the passages again (between the first and last token) until it reaches the limit
         whole = np.concatenate([whole[:-1], whole[1:]])
     for length in sorted({limit, limit // 4}, reverse=True):
-        if length > longest:
+        if longest < length <= len(whole):
             rows.append(np.concatenate([whole[: length - 1], whole[-1:]]))  # the final special token kept
     cal = Calibration(rows, source=f"{len(rows)} texts through the tokenizer ({min(map(len, rows))}-"
                                    f"{max(map(len, rows))} tokens)")
@@ -96,8 +95,7 @@ def text_calibration(tokenizer: TextTokenizer, max_length: int, *, pairs: bool =
             texts.append((query, passages[(answer + 6 * k) % len(passages)]))
             groups.append(q)
     encoded = tokenizer.encode_pairs(texts, truncate=True)
-    pair_rows = [(e.ids[:limit], (e.type_ids if e.type_ids is not None else np.zeros_like(e.ids))[:limit])
-                 for e in encoded]
+    pair_rows = [(e.ids, e.type_ids if e.type_ids is not None else np.zeros_like(e.ids)) for e in encoded]
     return Calibration(cal.rows, pair_rows, groups, f"{cal.source} and {len(pair_rows)} query-passage pairs")
 
 
