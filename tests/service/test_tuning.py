@@ -341,7 +341,9 @@ def test_a_configured_budget_wins_and_one_sequence_always_fits():
 
 def test_the_choices_cross_to_edge_processes_intact():
     spec = ModelSpec("m", "1", "x", 32, 4, 2, 100, 64, "sinusoidal", "bf16", "cpu", precision_reason="measured: ...",
-                     precision_forward_ms={"fp32": 2.0, "bf16": 1.0}, max_batch_tokens=512, batch_reason="measured",
+                     precision_forward_ms={"fp32": 2.0, "bf16": 1.0},
+                     precision_fidelity={"pooled_cosine": 0.9998, "rank_swaps": 0.0}, max_batch_tokens=512,
+                     batch_reason="measured",
                      batch_curve={256: 10.0, 512: 11.0}, quantization_ranges=((-0.5,), (0.5,)),
                      model_workers=2, workers_reason="measured", compared_workers=1, compared_curve={256: 9.0})
     body = frames.hello(spec, 2)
