@@ -16,6 +16,22 @@ same cores, and what the baseline lost to that oversubscription (not measured he
 as the service's gain, by an amount that depends on the core count. One worker is the stronger of the
 two first drafts, so the ratio against it does not flatter the service.
 
+Its forward is the in-process one (bench/model_bench.py: the bundle called on the thread that loaded
+it), so every ratio against it measures serving, not a different forward. That takes two things a first
+draft gets wrong without noticing:
+- the bundle is loaded and warmed up on the forward thread itself, not on the main thread. With
+  OpenMP each thread that runs a parallel region gets a team of its own: loading on the main thread
+  (the cast and freeze run parallel ops) left a second team there, one more OpenMP thread, and libgomp
+  spins far less at its barriers once its threads outnumber the cores. So the forward was not the
+  in-process one: slower on a quiet machine (bench/RESULTS.md, load under 2.6, fixed 128 at c1: p50
+  16.9 ms against an in-process 11.3 ms, 8.8 against 4.4 on the Xeon), and on a busy one faster than
+  the in-process forward, whose spinning threads wait for descheduled ones (2026-12-03, load 11,
+  compute per call 17.7 ms against 573 ms in process; now 532 ms, 0.91 of it). The service
+  keeps one team the same way (service/batching/threads.py, its lead thread);
+- the GIL switch interval is the service's (0.5 ms, service/engine.py SWITCH_INTERVAL_S): at 5 ms
+  the forward thread waits up to that long for the GIL behind the event loop before and after each
+  forward under concurrency.
+
 The response is built with proto/attention/v1/codec.py (`fill_tensor`, the codec's in-place path for
 responses). Bad input gets INVALID_ARGUMENT naming the field; an option this server does not do
 (pooling, attention, text, ...) gets UNIMPLEMENTED; a failed forward gets INTERNAL.
@@ -46,10 +62,11 @@ import grpc
 import numpy as np
 import torch
 
-from model.bundle import load_bundle
+from model.bundle import LoadedBundle, load_bundle
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import SERVICE_NAME, TensorError, fill_tensor, from_tensor
 from service.device import DTYPES, default_threads
+from service.engine import SWITCH_INTERVAL_S
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SEQUENCES = 64
@@ -68,12 +85,23 @@ class NaiveServicer:
     """Encode and GetModelInfo of one loaded bundle, one forward per call on one worker thread."""
 
     def __init__(self, bundle: Path, precision: str, threads: int) -> None:
-        loaded = load_bundle(bundle, dtype=DTYPES[precision])
-        self.module, self.manifest, self.precision = loaded.module, loaded.manifest, precision
-        self.config = loaded.manifest.config
-        torch.set_num_threads(threads)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="forward", initializer=torch.set_num_threads,
                                        initargs=(threads,))
+        # Loaded and warmed on the forward thread: one OpenMP team in the process (module docstring).
+        loaded = self.pool.submit(self._load, bundle, precision).result()
+        self.module, self.manifest, self.precision = loaded.module, loaded.manifest, precision
+        self.config = loaded.manifest.config
+
+    @staticmethod
+    def _load(bundle: Path, precision: str) -> LoadedBundle:
+        """On the forward thread: load the bundle, then two forwards of a short row (TorchScript profiles and
+        optimises a graph on its first calls; the load generator's warm-up covers the shapes it sends)."""
+        loaded = load_bundle(bundle, dtype=DTYPES[precision])
+        ids = torch.zeros((1, min(8, loaded.manifest.config.max_length)), dtype=torch.int64)
+        with torch.inference_mode():
+            for _ in range(2):
+                loaded.module(ids, None, torch.tensor([ids.shape[1]]), False, [])
+        return loaded
 
     def model_info(self) -> pb.ModelInfo:
         c, m = self.config, self.manifest
@@ -194,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=0, help="intra-op threads (0 = one per core)")
     parser.add_argument("--ready-file", default="", help="write {port, pid} as JSON here once serving")
     args = parser.parse_args(argv)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the service's (module docstring)
     servicer = NaiveServicer(args.model, args.precision, args.torch_threads or default_threads())
     asyncio.run(serve(servicer, args.host, args.port, args.ready_file))
     return 0

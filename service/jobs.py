@@ -85,6 +85,10 @@ class ModelSpec:
     relative_bias: str = "none"
     precision_reason: str = ""  # why this precision: configured, a device default, or measured (service/tuning.py)
     precision_forward_ms: dict[str, float] = field(default_factory=dict)  # measured at warm-up, per precision
+    # The served precision's outputs against fp32's on the accuracy gate's calibration inputs (precision=auto on
+    # CPU, service/tuning.py Fidelity.measures): pooled_cosine, token_cosine, hidden_error, and where the bundle
+    # serves them score_error, rank_swaps, sparse_cosine, vector_cosine; finite 1.0. Empty: fp32 or not measured.
+    precision_fidelity: dict[str, float] = field(default_factory=dict)
     max_batch_tokens: int = 0  # the batch budget in force (service/engine.py batch_budget); 0: not yet chosen
     batch_reason: str = ""  # configured, a device default, or the measured curve and the choice
     batch_curve: dict[int, float] = field(default_factory=dict)  # warm-up: batch tokens -> tokens/s

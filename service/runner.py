@@ -25,6 +25,7 @@ Failure handling, per batch:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import statistics
@@ -47,17 +48,28 @@ from model.bundle import (
     load_compiled,
 )
 from model.heads import pair_embeddings
+from service.calibration import bundle_outputs, calibration_for
 from service.config import ServiceConfig
 from service.device import DTYPES, default_threads, resolve_device, resolve_precision
 from service.errors import ModelFailure, NonFiniteOutput, OutOfMemory, ServiceError
 from service.jobs import POOL_MEAN, POOL_NONE, Job, ModelSpec, Output
-from service.tuning import PrecisionChoice, agreement, choose_precision, round_ratios, timed_rounds
+from service.tuning import (
+    MIN_SPEEDUP,
+    PRECISION_BOUNDS,
+    PrecisionChoice,
+    choose_precision,
+    fidelity,
+    round_ratios,
+    speedups,
+    timed_rounds,
+)
 
 log = logging.getLogger(__name__)
 
 # The precision probe's timing (service/tuning.py timed_rounds): up to 7 interleaved rounds, at least 3 (a
 # median of fewer would be one round's ratio), fewer once about 2 s are spent.
 PROBE_ROUNDS, PROBE_MIN_ROUNDS, PROBE_BUDGET_S = 7, 3, 2.0
+PROBE_SLOW = 2.0  # a candidate this many times fp32's time on its second call cannot win: it is not timed further
 
 
 class RunnerObserver(Protocol):
@@ -135,6 +147,7 @@ class Runner:
             precision=self.precision, device=str(self.device), tokenizer=bundle.tokenizer,
             attention_scale=cfg.scale, standard_scale=cfg.attention_scale is None, relative_bias=cfg.relative_bias,
             precision_reason=choice.reason, precision_forward_ms=choice.forward_ms,
+            precision_fidelity=choice.fidelity,
             quantization_ranges=m.quantization_ranges,
             tasks=m.task_names, labels=tuple(classify.get("labels", ())),
             problem_type=str(classify.get("problem_type", "")), pair_types=bundle.token_embeddings is not None,
@@ -179,8 +192,9 @@ class Runner:
 
     def _measure_precision(self, candidates: Sequence[str] = ("bf16", "fp16")
                            ) -> tuple[LoadedBundle, LoadedBundle | None, PrecisionChoice]:
-        """precision=auto on CPU: load the bundle in fp32 and each candidate, run all on one probe batch,
-        compare each candidate's output with fp32's, time them interleaved and choose (service/tuning.py).
+        """precision=auto on CPU: load the bundle in fp32 and each candidate, time them interleaved on one probe
+        batch, check each candidate fast enough to be chosen against fp32 on the calibration inputs (the accuracy
+        gate: service/calibration.py, every output the bundle serves) and choose (service/tuning.py).
         Returns (the chosen bundle, the fp32 bundle, the choice).
 
         Timed at one worker's width (`narrow_threads`: the threads over the configured or default worker
@@ -188,7 +202,9 @@ class Runner:
         thread. Not at every thread: then each forward waits at every OpenMP barrier for whichever of its
         threads the machine's other work has descheduled, by more in one precision's calls than the other's
         (bench/RESULTS.md). Bounded: a few forwards of 512 tokens each, `timed_rounds` within about 2 s; a
-        candidate more than twice as slow as fp32 on its second call is not timed further."""
+        candidate more than twice as slow as fp32 on its second call is not timed further. The gate runs at the
+        same width, for the same reason: the calibration inputs in fp32 and in each candidate checked, about
+        2,200 tokens plus 1.25 times the tokenizer's limit for a text model (MiniLM: 2.2 s at 1 thread, load 6)."""
         device = str(self.device)
         loaded = {"fp32": load_bundle(self._bundle_dir, device=device)}
         ids, lengths = _probe_batch(loaded["fp32"].manifest.config)
@@ -196,32 +212,31 @@ class Runner:
         share = f"one of {self._workers} workers' share" if self._workers > 1 else "one worker, every thread"
         measured = f"{ids.shape[0]}x{ids.shape[1]} tokens at {width} of {self._threads} thread(s) ({share})"
 
-        def run(module: Any) -> torch.Tensor:
+        def run(module: Any) -> None:
             with torch.inference_mode():
-                hidden: torch.Tensor = module(ids, None, lengths, False, [])[0]
-            return hidden
+                module(ids, None, lengths, False, [])
 
-        def twice(module: Any) -> tuple[torch.Tensor, float]:
-            """TorchScript profiles and optimises on the first calls: the second one's output and time."""
+        def twice(module: Any) -> float:
+            """TorchScript profiles and optimises on the first calls: the second one's time."""
             run(module)
             started = time.perf_counter()
-            return run(module), time.perf_counter() - started
+            run(module)
+            return time.perf_counter() - started
 
         _set_threads(width)
         try:
-            want, warm_fp32 = twice(loaded["fp32"].module)
+            warm_fp32 = twice(loaded["fp32"].module)
             notes: list[str] = []
-            agreements, slow = {}, {}
+            slow = {}
             for name in candidates:
                 try:
                     loaded[name] = load_bundle(self._bundle_dir, device=device, dtype=DTYPES[name])
-                    got, warm = twice(loaded[name].module)
+                    warm = twice(loaded[name].module)
                 except RuntimeError as exc:  # kernels missing for this dtype on this CPU
                     loaded.pop(name, None)
                     notes.append(f"{name} cannot run here ({str(exc).splitlines()[0][:80]})")
                     continue
-                agreements[name] = agreement(got, want, lengths)
-                if warm > 2 * warm_fp32:  # cannot win: not worth the rounds (fp16 on most CPUs)
+                if warm > PROBE_SLOW * warm_fp32:  # cannot win: not worth the rounds (fp16 on most CPUs)
                     slow[name] = warm
             timed = {name: functools.partial(run, b.module) for name, b in loaded.items() if name not in slow}
             times = timed_rounds(timed, rounds=PROBE_ROUNDS, budget_s=PROBE_BUDGET_S, min_rounds=PROBE_MIN_ROUNDS)
@@ -233,10 +248,30 @@ class Runner:
         ratios = {**round_ratios(times, "fp32"), **{name: [warm / warm_fp32] for name, warm in slow.items()}}
         forward_ms = {**{name: 1e3 * statistics.median(seconds) for name, seconds in times.items()},
                       **{name: 1e3 * warm for name, warm in slow.items()}}
+        fidelities, calibrated = {}, ""
+        fast = [name for name, speedup in speedups(ratios).items() if speedup >= MIN_SPEEDUP]
+        if fast:
+            _set_threads(width)  # as timed: a wide forward on a busy machine waits on its slowest thread
+            started = time.perf_counter()
+            try:
+                calibration = calibration_for(loaded["fp32"])
+                want = list(bundle_outputs(loaded["fp32"], calibration))
+                for name in fast:
+                    fidelities[name] = fidelity(bundle_outputs(loaded[name], calibration), want, calibration.groups,
+                                                PRECISION_BOUNDS[name])
+            except Exception as exc:  # noqa: BLE001 - as a failed measurement: fp32
+                log.warning("precision accuracy gate failed; serving fp32", exc_info=True)
+                return loaded["fp32"], None, PrecisionChoice("fp32", f"the accuracy gate failed ({exc}); fp32",
+                                                             {name: round(ms, 3) for name, ms in forward_ms.items()})
+            finally:
+                _set_threads(self._threads)
+            calibrated = (f"{calibration.source}, {calibration.tokens} tokens (checked in "
+                          f"{time.perf_counter() - started:.1f} s)")
         rounds = len(times["fp32"])
-        choice = choose_precision(ratios, agreements, f"{measured}, {rounds} interleaved rounds", forward_ms)
+        choice = choose_precision(ratios, fidelities, f"{measured}, {rounds} interleaved rounds", forward_ms,
+                                  calibrated=calibrated)
         if notes:
-            choice = PrecisionChoice(choice.precision, f"{choice.reason}; {'; '.join(notes)}", choice.forward_ms)
+            choice = dataclasses.replace(choice, reason=f"{choice.reason}; {'; '.join(notes)}")
         return loaded[choice.precision], loaded["fp32"], choice
 
     def probe_batch(self, rows: int, seq: int) -> list[Job]:
@@ -698,8 +733,9 @@ def _unmeasured_reason(config: ServiceConfig, device: torch.device) -> str:
 
 
 def _probe_batch(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The precision probe: 4 rows of min(128, max_length) tokens, two of them padded, ids drawn (seeded)
-    from the lower 90% of the vocabulary (test models keep their sentinel ids at the top, model/faults.py)."""
+    """The precision probe's timing batch (the accuracy gate runs on service/calibration.py's inputs): 4 rows of
+    min(128, max_length) tokens, two of them padded, ids drawn (seeded) from the lower 90% of the vocabulary
+    (test models keep their sentinel ids at the top, model/faults.py)."""
     T = min(128, cfg.max_length)
     lengths = torch.tensor([T, T, max(1, T // 2), max(1, T // 8)])
     high = max(1, cfg.vocab_size - cfg.vocab_size // 10)

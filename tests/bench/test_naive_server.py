@@ -116,3 +116,29 @@ def test_every_other_method_is_unimplemented(servers: tuple[ServerProcess, Naive
         with pytest.raises(grpc.RpcError) as caught:
             s.Tokenize(pb.TokenizeRequest(texts=["hi"]), timeout=30)
     assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_the_bundle_is_loaded_and_warmed_on_the_forward_thread(tiny_bundle: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """One OpenMP team, as in process: loading on another thread left a second team there, and the naive server's
+    forward then differed from the in-process one (bench/naive_server.py)."""
+    import threading
+
+    import bench.naive_server as naive
+
+    loaded_on: list[str] = []
+    real = naive.load_bundle
+
+    def load_bundle(*args: object, **kwargs: object) -> object:
+        loaded_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(naive, "load_bundle", load_bundle)
+    servicer = naive.NaiveServicer(tiny_bundle, "fp32", 1)
+    try:
+        forward_thread = servicer.pool.submit(lambda: threading.current_thread().name).result()
+        assert loaded_on == [forward_thread] and forward_thread.startswith("forward")
+        hidden, _, _ = servicer.pool.submit(servicer.forward, [np.arange(5, dtype=np.int64)]).result()
+        assert hidden[0].shape == (5, 32)
+    finally:
+        servicer.pool.shutdown()

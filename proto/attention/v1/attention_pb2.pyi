@@ -309,8 +309,15 @@ class TextInfo(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., truncation_side: _Optional[str] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., prompts: _Optional[_Mapping[str, str]] = ..., default_prompt_name: _Optional[str] = ..., tokenizer_checksum: _Optional[str] = ..., max_text_chars: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges", "tasks", "labels", "backend", "vector_dim", "sparse_kind", "aliases")
+    __slots__ = ("name", "version", "checksum", "d_model", "n_heads", "n_layers", "vocab_size", "max_length", "positional", "precision", "device", "limits", "text", "attention_scale", "standard_scale", "relative_bias", "precision_reason", "precision_forward_ms", "batch_budget", "quantization_ranges", "tasks", "labels", "backend", "vector_dim", "sparse_kind", "aliases", "precision_fidelity")
     class PrecisionForwardMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class PrecisionFidelityEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +350,7 @@ class ModelInfo(_message.Message):
     VECTOR_DIM_FIELD_NUMBER: _ClassVar[int]
     SPARSE_KIND_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIDELITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     checksum: str
@@ -369,7 +377,8 @@ class ModelInfo(_message.Message):
     vector_dim: int
     sparse_kind: str
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., vector_dim: _Optional[int] = ..., sparse_kind: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    precision_fidelity: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., checksum: _Optional[str] = ..., d_model: _Optional[int] = ..., n_heads: _Optional[int] = ..., n_layers: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_length: _Optional[int] = ..., positional: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., text: _Optional[_Union[TextInfo, _Mapping]] = ..., attention_scale: _Optional[float] = ..., standard_scale: _Optional[bool] = ..., relative_bias: _Optional[str] = ..., precision_reason: _Optional[str] = ..., precision_forward_ms: _Optional[_Mapping[str, float]] = ..., batch_budget: _Optional[_Union[BatchBudget, _Mapping]] = ..., quantization_ranges: _Optional[_Union[QuantizationRanges, _Mapping]] = ..., tasks: _Optional[_Iterable[str]] = ..., labels: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., vector_dim: _Optional[int] = ..., sparse_kind: _Optional[str] = ..., aliases: _Optional[_Iterable[str]] = ..., precision_fidelity: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class BatchBudget(_message.Message):
     __slots__ = ("max_batch_tokens", "reason", "tokens_per_second", "model_workers", "workers_reason", "compared_workers", "compared_tokens_per_second")
