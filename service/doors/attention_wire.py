@@ -212,6 +212,7 @@ def model_info(spec: ModelSpec, c: ServiceConfig, aliases: Sequence[str] = ()) -
         positional=spec.positional, precision=spec.precision, device=spec.device,
         attention_scale=spec.attention_scale, standard_scale=spec.standard_scale, relative_bias=spec.relative_bias,
         precision_reason=spec.precision_reason, precision_forward_ms=spec.precision_forward_ms,
+        precision_fidelity=spec.precision_fidelity,
         batch_budget=pb.BatchBudget(max_batch_tokens=spec.max_batch_tokens, reason=spec.batch_reason,
                                     tokens_per_second=spec.batch_curve, model_workers=spec.model_workers,
                                     workers_reason=spec.workers_reason, compared_workers=spec.compared_workers,

@@ -70,7 +70,8 @@ def max_input_length(spec: ModelSpec) -> int:
 def info(spec: ModelSpec, config: ServiceConfig) -> dict[str, Any]:
     """TEI's /info: every field of its `Info` schema. model_id is the served name too (the bundle's own
     name is not kept once a served name is set); max_batch_tokens is the budget in force (measured at
-    warm-up or configured)."""
+    warm-up or configured). One field beyond TEI's: `precision_fidelity`, the served precision's measures
+    against fp32 on the accuracy gate's calibration inputs (empty when fp32 was asked for)."""
     kind, details = model_type(spec)
     return {
         "model_id": spec.name, "model_sha": spec.checksum, "model_dtype": DTYPES.get(spec.precision, spec.precision),
@@ -78,7 +79,8 @@ def info(spec: ModelSpec, config: ServiceConfig) -> dict[str, Any]:
         "max_concurrent_requests": config.max_queue_requests, "max_input_length": max_input_length(spec),
         "max_batch_tokens": spec.max_batch_tokens, "max_batch_requests": config.max_batch_size,
         "max_client_batch_size": config.max_sequences_per_call, "auto_truncate": config.auto_truncate,
-        "tokenization_workers": 1, "version": SERVER_VERSION, "sha": None, "docker_label": None}
+        "tokenization_workers": 1, "version": SERVER_VERSION, "sha": None, "docker_label": None,
+        "precision_fidelity": spec.precision_fidelity}
 
 
 @dataclass(frozen=True)

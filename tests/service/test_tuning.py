@@ -387,3 +387,23 @@ async def test_a_serving_engine_shortens_the_gil_switch_interval(start_server):
         assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S) and SWITCH_INTERVAL_S < 0.005
     finally:
         sys.setswitchinterval(0.005)
+
+
+async def test_the_served_precisions_fidelity_is_reported_by_model_info_and_teis_info(
+        start_server, monkeypatch: pytest.MonkeyPatch):
+    """What the accuracy gate measured for the precision served is what GetModelInfo and TEI's /info report
+    (the timing injected so that bf16 is served on any machine; fp32 asked for: nothing measured, both empty)."""
+    import httpx
+
+    _reduced_fast(monkeypatch)
+    s = await start_server(precision="auto", http_port=0)
+    info = await s.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    assert info.precision == "bf16", info.precision_reason
+    assert {"pooled_cosine", "token_cosine", "hidden_error"} <= info.precision_fidelity.keys()
+    assert 0.9 < info.precision_fidelity["pooled_cosine"] <= 1.0
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{s.server.http_port}") as http:
+        assert (await http.get("/info")).json()["precision_fidelity"] == dict(info.precision_fidelity)
+    fp32 = await start_server(precision="fp32", http_port=0)
+    assert not (await fp32.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)).precision_fidelity
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{fp32.server.http_port}") as http:
+        assert (await http.get("/info")).json()["precision_fidelity"] == {}
