@@ -245,6 +245,7 @@ def test_a_classifier_whose_labels_disagree_with_its_head_is_refused_as_transfor
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # transformers refuses the folder
         transformers.AutoModelForSequenceClassification.from_pretrained(folder)
-    _assert_refused(_cli("convert-hf", "--model-dir", str(folder), "--out", str(tmp_path / "out")),
+    _assert_refused(_cli_all({"c": ["convert-hf", "--model-dir", str(folder), "--out", str(tmp_path / "out")]},
+                             tmp_path)["c"],
                     "config.json declares", "transformers refuses this folder too", *fragments)
     assert not (tmp_path / "out").exists()

@@ -121,7 +121,8 @@ def kserve_inputs(ids: list[int]) -> list[Any]:
 
 @pytest.fixture
 async def traced_server(start_server: Any, fault_bundle: Path, receiver: Receiver) -> Running:
-    served: Running = await start_server(bundle=fault_bundle, http_port=0, openai_token_ids=True, otlp_endpoint=receiver.endpoint,
+    served: Running = await start_server(bundle=fault_bundle, http_port=0, openai_token_ids=True,
+                                         otlp_endpoint=receiver.endpoint,
                                          otlp_export_delay_ms=20.0, otlp_service_name="traced-test")
     return served
 
@@ -273,7 +274,8 @@ async def test_no_endpoint_no_span_objects(start_server: Any, fault_bundle: Path
     await every_door(off, Caller())
     assert count.made == 0
     # The count can fail: the same calls with an endpoint make spans.
-    on: Running = await start_server(bundle=fault_bundle, http_port=0, openai_token_ids=True, otlp_endpoint=receiver.endpoint)
+    on: Running = await start_server(bundle=fault_bundle, http_port=0, openai_token_ids=True,
+                                     otlp_endpoint=receiver.endpoint)
     await every_door(on, Caller())
     assert count.made >= 5 * 4  # five calls answered OK, four spans each at least
 
@@ -296,7 +298,8 @@ def test_tracing_settings_are_validated() -> None:
 @pytest.mark.slow
 async def test_edge_processes_trace_calls_and_the_model_process_links_its_forwards(
         fault_bundle: Path, receiver: Receiver, tmp_path: Path) -> None:
-    server = ServerProcess(fault_bundle, "--edge-processes", "2", "--openai-token-ids", "--otlp-endpoint", receiver.endpoint,
+    server = ServerProcess(fault_bundle, "--edge-processes", "2", "--openai-token-ids",
+                           "--otlp-endpoint", receiver.endpoint,
                            "--otlp-export-delay-ms", "20", directory=tmp_path)
     callers = [Caller() for _ in range(4)]
     try:
