@@ -86,10 +86,12 @@ def test_the_reliability_chapter_lists_every_row_of_the_contract_test():
 def test_the_two_commands_are_what_the_makefile_and_ci_run():
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^test: lint typecheck proto-check pytest(\s|$)", makefile, re.M)
-    assert re.search(r"^pytest:.*\n\t\$\(BIN\)/python -m pytest -q\n", makefile, re.M)
+    assert re.search(r"^pytest:.*\n\t\$\(PYTEST\)\n", makefile, re.M)
+    assert re.search(r"^PYTEST := \$\(BIN\)/python -m pytest -q -n 2 --dist loadfile\n", makefile, re.M)
     assert re.search(r"^run:.*\n\t\$\(BIN\)/python -m service\n", makefile, re.M)
     assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "make test"
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "`make run` is `python -m service` with every default" in readme
     assert "`make test` is `make lint typecheck proto-check pytest`" in readme
+    assert "then `python -m pytest -q -n 2 --dist loadfile`" in readme  # what the Makefile's PYTEST is
     assert "CI runs exactly it (`.ci/run`)" in readme
