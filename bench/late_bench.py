@@ -47,7 +47,7 @@ import string
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,10 +159,15 @@ def write_cross_encoder(folder: Path, size: str, seed: int = 0) -> Path:
 
 def build(directory: Path, size: str) -> dict[str, Path]:
     """Both bundles, converted by this tree's `convert-hf` code under directory."""
+    return convert_all(directory, size, {"colbert": write_colbert, "cross-encoder": write_cross_encoder})
+
+
+def convert_all(directory: Path, size: str, writers: dict[str, Callable[[Path, str], Path]]) -> dict[str, Path]:
+    """Each writer's Hugging Face folder, converted by this tree's `convert-hf` code, by name under directory."""
     from model.hf_folder import convert_hf_folder
 
     bundles = {}
-    for name, write in (("colbert", write_colbert), ("cross-encoder", write_cross_encoder)):
+    for name, write in writers.items():
         src = write(directory / f"{name}-hf", size)
         bundles[name] = directory / name
         convert_hf_folder(src, bundles[name], name=f"bench-{name}")

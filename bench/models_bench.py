@@ -60,7 +60,15 @@ import grpc
 import numpy as np
 
 from bench.ab import cpu_s
-from bench.late_bench import BERT_TOKENS, PREFIXES, SIZES, _bert_config, tokenizer_json, write_cross_encoder
+from bench.late_bench import (
+    BERT_TOKENS,
+    PREFIXES,
+    SIZES,
+    _bert_config,
+    convert_all,
+    tokenizer_json,
+    write_cross_encoder,
+)
 from bench.rerank import cpu_flags
 from bench.text_bench import WORDS
 from proto.attention.v1 import attention_pb2 as pb
@@ -106,14 +114,7 @@ def write_embedder(folder: Path, size: str, seed: int = 0) -> Path:
 
 def build(directory: Path, size: str) -> dict[str, Path]:
     """Both bundles, converted by this tree's `convert-hf` code under directory."""
-    from model.hf_folder import convert_hf_folder
-
-    bundles = {}
-    for name, write in (("embed", write_embedder), ("rerank", write_cross_encoder)):
-        src = write(directory / f"{name}-hf", size)
-        bundles[name] = directory / name
-        convert_hf_folder(src, bundles[name], name=f"bench-{name}")
-    return bundles
+    return convert_all(directory, size, {"embed": write_embedder, "rerank": write_cross_encoder})
 
 
 def _words(rng: np.random.Generator, span: tuple[int, int]) -> str:

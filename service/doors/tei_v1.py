@@ -24,11 +24,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from model.text import special_ids
 from proto.tei.v1 import tei_pb2 as pb
 from service.doors.calls import Calls, Model, Ran
 from service.doors.rpc import Rpc, grpc_status, parse, remaining, serialize
-from service.doors.tei_wire import Timing, info, max_input_length, model_type
+from service.doors.tei_wire import Timing, info, max_input_length, model_type, special_token_ids
 from service.errors import EmptyInput, InvalidInput, ServiceError
 from service.jobs import ModelSpec
 from service.plan import Ask, Names, Plan, Sizes, head_response_bytes
@@ -101,7 +100,6 @@ class TeiV1:
         self._calls = calls
         self._rpc = Rpc(calls, "tei.v1", "tei.v1")  # five services: each method named "tei.v1.<Service>/<Method>"
         self._config = calls.config
-        self._special: dict[int, frozenset[int]] = {}
 
     def services(self) -> list[Service]:
         unary, stream = self._unary, self._stream
@@ -249,20 +247,12 @@ class TeiV1:
 
         return await self._rpc.answer("RerankStream", context, answer)
 
-    def _specials(self, spec: ModelSpec) -> frozenset[int]:
-        if spec.tokenizer is None:
-            return frozenset()
-        key = id(spec.tokenizer)
-        if key not in self._special:
-            self._special[key] = frozenset(special_ids(spec.tokenizer.data).values())
-        return self._special[key]
-
     async def _tokenize(self, request: pb.EncodeRequest, seconds: float) -> pb.EncodeResponse:
         model = self._calls.model()
         encoded = (await self._calls.tokenize(model, [request.inputs], field="inputs", truncate=False,
                                               prompt_name=request.prompt_name,
                                               specials=request.add_special_tokens))[0]
-        special = self._specials(model.spec)
+        special = special_token_ids(model.spec)
         return pb.EncodeResponse(tokens=[pb.SimpleToken(id=i, text=t, special=i in special)
                                          for i, t in zip(encoded.ids.tolist(), encoded.tokens, strict=True)])
 

@@ -8,10 +8,12 @@ Contracts: TEI 1.9.3's docs/openapi.json and proto/tei.proto (tests/data/tei/ ho
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from model.text import special_ids
 from service.config import ServiceConfig
 from service.doors.calls import Ran
 from service.errors import EmptyInput, InvalidInput, ServiceError, shown, status_of
@@ -61,6 +63,16 @@ def root_route(spec: ModelSpec) -> str:
     if kind == "classifier":
         return "predict"
     return "embed_sparse" if details["pooling"] == "splade" else "embed"
+
+
+def special_token_ids(spec: ModelSpec) -> frozenset[int]:
+    """The ids of the model's special tokens (TEI's `special` flag of a token), read once per tokenizer."""
+    return _special_ids(spec.tokenizer.data) if spec.tokenizer is not None else frozenset()
+
+
+@functools.lru_cache(maxsize=8)
+def _special_ids(data: bytes) -> frozenset[int]:
+    return frozenset(special_ids(data).values())
 
 
 def max_input_length(spec: ModelSpec) -> int:

@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from model.text import special_ids
 from service.config import ServiceConfig
 from service.doors.calls import Calls, Model, Ran
 from service.doors.http import deadline
@@ -70,9 +69,8 @@ from service.doors.http.wire import (
     read_json,
     text_values,
 )
-from service.doors.tei_wire import Timing, characters, error_type, info, root_route, side
+from service.doors.tei_wire import Timing, characters, error_type, info, root_route, side, special_token_ids
 from service.errors import EmptyInput, InvalidInput, ServiceError, TooLarge
-from service.jobs import ModelSpec
 from service.plan import Ask, head_response_bytes
 from service.tasks import sparse_entries
 
@@ -337,7 +335,6 @@ class TEI:
         self._calls = calls
         self._config = calls.config
         self._values = text_values(calls.config)
-        self._special: dict[int, frozenset[int]] = {}
 
     def routes(self) -> Routes:
         return Routes(DIALECT, "/", [
@@ -450,20 +447,12 @@ class TEI:
 
     # -- tokens, info, health ----------------------------------------------------------------------
 
-    def _specials(self, spec: ModelSpec) -> frozenset[int]:
-        if spec.tokenizer is None:
-            return frozenset()
-        key = id(spec.tokenizer)
-        if key not in self._special:
-            self._special[key] = frozenset(special_ids(spec.tokenizer.data).values())
-        return self._special[key]
-
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
         texts, prompt, specials = await self._read(request, lambda body: decode_tokenize(body, self._config))
         model = self._calls.model()
         encoded = await self._calls.tokenize(model, texts, field="inputs", truncate=False, prompt_name=prompt,
                                              specials=specials)
-        special = self._specials(model.spec)
+        special = special_token_ids(model.spec)
         return await json_answer([tokens(enc.ids.tolist(), enc.tokens, special) for enc in encoded],
                                  sum(4 * len(enc.ids) for enc in encoded))
 
