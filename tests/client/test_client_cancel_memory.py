@@ -75,7 +75,7 @@ async def main():
             else:
                 coro = raw(b"x", timeout=60)
             task = asyncio.ensure_future(coro)
-            await asyncio.sleep(0.002)  # the call's batch is in flight (started on the task's first step)
+            await asyncio.sleep(0.005)  # the call is in flight (most reach the server by then, fewer when busy)
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -112,8 +112,10 @@ def test_cancelled_client_calls_keep_no_native_memory_and_reach_the_server() -> 
         # fails, grpcio has fixed grpc/grpc#43360 and client/calls.py's workaround may go.
         assert kb["grpc.aio"] > 0.4, kb
         assert kb["client"] < 0.15, kb
-        # The RPCs were cancelled, not only the tasks: every call that reached the server (most; one
-        # cancelled before it arrived never starts) ended there cancelled, the client's as the plain ones.
+        # The RPCs were cancelled, not only the tasks: every call that reached the server ended there
+        # cancelled, the client's as the plain ones. How many reach it before their cancel depends on the
+        # machine's load (one cancelled before it arrived never starts): most on a quiet machine; at load 4-5
+        # on 2 cores, 21% of the plain calls and 59% of the client's with a 2 ms wait. A tenth is the floor.
         import grpc
 
         with grpc.insecure_channel(target) as channel:
@@ -123,7 +125,7 @@ def test_cancelled_client_calls_keep_no_native_memory_and_reach_the_server() -> 
                     time.monotonic() < end):
                 time.sleep(0.05)  # the last cancellations may still be on their way (polled, bounded)
         assert seen["started"] == seen["cancelled"], seen
-        assert seen["started"]["client"] > kb["sent"] // 2 and seen["started"]["grpc.aio"] > kb["sent"] // 2, seen
+        assert seen["started"]["client"] > kb["sent"] // 10 and seen["started"]["grpc.aio"] > kb["sent"] // 10, seen
     finally:
         server.kill()
         server.wait(10)
