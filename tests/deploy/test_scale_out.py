@@ -403,10 +403,13 @@ async def test_prometheus_sums_the_replicas(fleet: Fleet) -> None:
         for replica in fleet.replicas:
             for le, count in replica_buckets(replica).items():
                 buckets[le] = buckets.get(le, 0.0) + count
-        merged = prom.query('histogram_quantile(0.99, sum by (le) '
-                            '(attention_request_duration_seconds_bucket{method="Encode"}))')
-        assert len(merged) == 1
-        assert merged[0].value == pytest.approx(merged_quantile(0.99, buckets), rel=1e-9)
+        expected = merged_quantile(0.99, buckets)
+        # Polled: a replica counts a call, then observes its duration, so a scrape between the two (the counter
+        # already at before + sent) holds the histogram a call short; the next scrape has it (no calls come now).
+        merged = prom.wait_for('histogram_quantile(0.99, sum by (le) '
+                               '(attention_request_duration_seconds_bucket{method="Encode"}))',
+                               lambda r: len(r) == 1 and r[0].value == pytest.approx(expected, rel=1e-9), timeout=30)
+        assert merged[0].value == pytest.approx(expected, rel=1e-9)
 
 
 def replica_buckets(replica: ServerProcess) -> dict[float, float]:
