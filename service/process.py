@@ -37,7 +37,8 @@ from proto.attention.v1.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.doors.grpc_server import grpc_options, ledger
 from service.doors.ports import port_error
-from service.metrics import Metrics, serve_metrics
+from service.metrics import Metrics
+from service.metrics_http import serve_metrics
 from service.tracing import build_tracing
 
 if TYPE_CHECKING:

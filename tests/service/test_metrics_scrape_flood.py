@@ -1,4 +1,4 @@
-"""A flood of /metrics scrapes does not take the model process from its work (service/metrics.py
+"""A flood of /metrics scrapes does not take the model process from its work (service/metrics_http.py
 ScrapeGate): with edge processes, where every scrape sums every process's files in the model process,
 32 back-to-back scrapers get their answers at a bounded pace (one render at a time in order of arrival, a
 pause after each), a newcomer's scrape is answered in its turn, and the model process spends a bounded
@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from model import faults
 from proto.attention.v1 import attention_pb2_grpc
-from service.metrics import SCRAPE_MAX_WAITING, SCRAPE_MIN_GAP_S
+from service.metrics_http import SCRAPE_MAX_WAITING, SCRAPE_MIN_GAP_S
 from tests.support.helpers import ids_request, wait_for
 from tests.support.server_process import ROOT, ServerProcess
 
