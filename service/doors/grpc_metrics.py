@@ -23,16 +23,8 @@ import grpc
 
 from service.doors.calls import CALL_MODEL
 from service.doors.message_wait import request_streaming
-from service.doors.rpc import cancel_code
+from service.doors.rpc import cancel_code, sent_code
 from service.metrics import Metrics
-
-
-def _code_name(context: grpc.aio.ServicerContext) -> str:
-    code = context.code()
-    if code is None:
-        return "OK"
-    name: str = code.name if isinstance(code, grpc.StatusCode) else grpc.StatusCode(code).name
-    return name
 
 
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
@@ -90,10 +82,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             code = "UNKNOWN"
             try:
                 result = await call
-                code = _code_name(context)
+                code = sent_code(context)
                 return result
             except grpc.aio.AbortError:
-                code = _code_name(context)
+                code = sent_code(context)
                 raise
             except asyncio.CancelledError:
                 code = cancel_code(context)
@@ -111,10 +103,10 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
                 code = "UNKNOWN"
                 try:
                     result = await behavior(request, context)
-                    code = _code_name(context)
+                    code = sent_code(context)
                     return result
                 except grpc.aio.AbortError:
-                    code = _code_name(context)
+                    code = sent_code(context)
                     raise
                 except asyncio.CancelledError:
                     code = cancel_code(context)
@@ -147,9 +139,9 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # g
             try:
                 async for response in stream_behavior(request, context):
                     yield response
-                code = _code_name(context)
+                code = sent_code(context)
             except grpc.aio.AbortError:
-                code = _code_name(context)
+                code = sent_code(context)
                 raise
             except (asyncio.CancelledError, GeneratorExit):
                 # GeneratorExit: grpcio closes a streaming handler this way when the caller cancels.

@@ -46,10 +46,9 @@ def cancel_code(context: grpc.aio.ServicerContext) -> str:
     """The code of a call that grpcio ended under us: the status our handler had already sent (a stopping
     server cancels every handler still running, one that has just answered "shutting down" too), else
     its deadline passed, or its caller left."""
-    sent = context.code()
-    if sent is not None and sent != grpc.StatusCode.OK:
-        name: str = (sent if isinstance(sent, grpc.StatusCode) else grpc.StatusCode(sent)).name
-        return name
+    sent = sent_code(context)
+    if sent != "OK":
+        return sent
     return "DEADLINE_EXCEEDED" if deadline_passed(context) else "CANCELLED"
 
 
