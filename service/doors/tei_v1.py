@@ -27,7 +27,7 @@ import numpy as np
 from proto.tei.v1 import tei_pb2 as pb
 from service.doors.calls import Calls, Model, Ran
 from service.doors.rpc import Rpc, grpc_status, parse, remaining, serialize
-from service.doors.tei_wire import Timing, info, max_input_length, model_type, special_token_ids
+from service.doors.tei_wire import Timing, decode_rows, info, max_input_length, model_type, special_token_ids
 from service.errors import EmptyInput, InvalidInput, ServiceError
 from service.jobs import ModelSpec
 from service.plan import Ask, Names, Plan, Sizes, head_response_bytes
@@ -258,21 +258,13 @@ class TeiV1:
 
     async def _decode(self, request: pb.DecodeRequest, seconds: float) -> pb.DecodeResponse:
         spec = self._calls.model().spec
-        tokenizer = spec.tokenizer
-        if tokenizer is None:
-            raise InvalidInput("ids", f"model {spec.name} has no tokenizer to decode with")
         if len(request.ids) > self._config.max_tokens_per_call:
             raise InvalidInput("ids", f"{len(request.ids)} ids; at most {self._config.max_tokens_per_call} per call")
         ids = np.asarray(request.ids, np.int64)
         bad = np.flatnonzero(ids >= spec.vocab_size)
         if len(bad):
             raise InvalidInput(f"ids[{int(bad[0])}]", f"id not in [0, {spec.vocab_size})")
-        rows = [ids.tolist()]
-        if len(ids) > 4096:  # the Rust tokenizer releases the GIL
-            texts = await asyncio.to_thread(tokenizer.decode, rows, skip_special_tokens=request.skip_special_tokens)
-        else:
-            texts = tokenizer.decode(rows, skip_special_tokens=request.skip_special_tokens)
-        return pb.DecodeResponse(text=texts[0])
+        return pb.DecodeResponse(text=(await decode_rows(spec, [ids.tolist()], request.skip_special_tokens))[0])
 
     async def _info(self, request: pb.InfoRequest, seconds: float) -> pb.InfoResponse:
         spec = self._calls.model().spec

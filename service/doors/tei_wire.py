@@ -8,8 +8,10 @@ Contracts: TEI 1.9.3's docs/openapi.json and proto/tei.proto (tests/data/tei/ ho
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +75,21 @@ def special_token_ids(spec: ModelSpec) -> frozenset[int]:
 @functools.lru_cache(maxsize=8)
 def _special_ids(data: bytes) -> frozenset[int]:
     return frozenset(special_ids(data).values())
+
+
+INLINE_IDS = 4096  # a decode of more ids runs in a worker thread (the Rust tokenizer releases the GIL)
+
+
+async def decode_rows(spec: ModelSpec, rows: Sequence[list[int]], skip_special_tokens: bool) -> list[str]:
+    """TEI's decode: each row of ids (bounded and checked against the vocabulary by the door) as text, with
+    the model's tokenizer; in a worker thread when the call holds more than INLINE_IDS ids."""
+    tokenizer = spec.tokenizer
+    if tokenizer is None:
+        raise InvalidInput("ids", f"model {spec.name} has no tokenizer to decode with")
+    if sum(len(row) for row in rows) > INLINE_IDS:
+        texts: list[str] = await asyncio.to_thread(tokenizer.decode, rows, skip_special_tokens=skip_special_tokens)
+        return texts
+    return tokenizer.decode(rows, skip_special_tokens=skip_special_tokens)
 
 
 def max_input_length(spec: ModelSpec) -> int:

@@ -44,7 +44,6 @@ draining; 504 Backend, the caller's deadline passed.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -69,12 +68,19 @@ from service.doors.http.wire import (
     read_json,
     text_values,
 )
-from service.doors.tei_wire import Timing, characters, error_type, info, root_route, side, special_token_ids
+from service.doors.tei_wire import (
+    Timing,
+    characters,
+    decode_rows,
+    error_type,
+    info,
+    root_route,
+    side,
+    special_token_ids,
+)
 from service.errors import EmptyInput, InvalidInput, ServiceError, TooLarge
 from service.plan import Ask, head_response_bytes
 from service.tasks import sparse_entries
-
-INLINE_IDS = 4096  # /decode of more ids runs in a worker thread
 
 
 def error_body(error: ServiceError, status: int) -> dict[str, Any]:
@@ -459,15 +465,7 @@ class TEI:
     async def decode(self, request: web.Request) -> web.StreamResponse:
         spec = self._calls.model().spec
         rows, skip = await self._read(request, lambda body: decode_decode(body, self._config, spec.vocab_size))
-        tokenizer = spec.tokenizer
-        if tokenizer is None:
-            raise InvalidInput("ids", f"model {spec.name} has no tokenizer to decode with")
-        ids = sum(len(row) for row in rows)
-        if ids > INLINE_IDS:  # the Rust tokenizer releases the GIL
-            texts = await asyncio.to_thread(tokenizer.decode, rows, skip_special_tokens=skip)
-        else:
-            texts = tokenizer.decode(rows, skip_special_tokens=skip)
-        return await json_answer(texts, ids)
+        return await json_answer(await decode_rows(spec, rows, skip), sum(len(row) for row in rows))
 
     async def info(self, request: web.Request) -> web.StreamResponse:
         return json_response(info(self._calls.model().spec, self._config))
