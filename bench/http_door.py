@@ -1,6 +1,7 @@
 """The HTTP door beside the gRPC door of one running service: calls/s and server CPU per call for the
-same pooled-embedding call of token ids, through OpenAI's /v1/embeddings, TEI's /embed (aiohttp
-clients, keep-alive) and attention.v1 Encode over gRPC (grpc.aio), interleaved in one run.
+same pooled-embedding call of one 16-token sequence of ids, through OpenAI's /v1/embeddings (floats, and
+`openai-base64`: `encoding_format` base64), TEI's /embed (aiohttp clients, keep-alive) and attention.v1
+Encode over gRPC (grpc.aio), interleaved in one run.
 
     python -m bench.http_door [--rounds 2] [--calls 400] [--concurrency 1 16] [--bundle DIR]
 
@@ -23,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-DOORS = ("grpc", "openai", "tei")
-IDS = [[5, 6, 7, 8, 9, 10, 11, 12]]
+DOORS = ("grpc", "openai", "openai-base64", "tei")
+IDS = [list(range(5, 21))]  # one 16-token sequence, as bench/doors_bench.py sends
 
 
 def _cpu_s(pid: int) -> float:
@@ -51,8 +52,9 @@ async def _load(door: str, ports: dict[str, int], calls: int, concurrency: int) 
                 await stub.Encode(request, timeout=30)
 
             return await _run(one_grpc, calls, concurrency)
-    path, body = ("/v1/embeddings", {"model": "tiny", "input": IDS}) if door == "openai" else (
-        "/embed", {"inputs": IDS})
+    path, body = ("/embed", {"inputs": IDS}) if door == "tei" else ("/v1/embeddings", {"model": "tiny", "input": IDS})
+    if door == "openai-base64":
+        body["encoding_format"] = "base64"
     url = f"http://127.0.0.1:{ports['http_port']}{path}"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
         async def one_http() -> None:

