@@ -59,15 +59,18 @@ class MessageWaitInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc] 
         decode = handler.request_deserializer
 
         async def read_then_answer(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+            # `context.read()`, not the request iterator: the iterator is an async generator left suspended
+            # after its one message, and the loop finalises each such generator by scheduling its aclose()
+            # from the garbage collector's hook (a task and a wake-up of the loop per call).
             try:
                 if context.time_remaining() is not None:  # grpc core ends the call at it, message or not
-                    request = await anext(requests)
+                    request = await context.read()
                 else:  # no deadline: ours
                     async with asyncio.timeout(seconds):
-                        request = await anext(requests)
+                        request = await context.read()
             except TimeoutError:
                 await _refuse(context, late)
-            except StopAsyncIteration:  # half-closed without a (complete) message: none can come now
+            if request is grpc.aio.EOF:  # half-closed without a (complete) message: none can come now
                 missing = InvalidInput("request", "the call ended without a complete request message")
                 await _refuse(context, missing)
             if decode is not None:
