@@ -32,6 +32,9 @@ REQUEST = b"\1" * 600  # about a serialized 128-token request
 METHOD = "/floor.Floor/Call"
 
 
+AIO_KINDS = ("aio", "aio-hop", "aio-anext", "aio-read")
+
+
 def _identity(data: bytes) -> bytes:
     return data
 
@@ -80,17 +83,22 @@ def _serve(kind: str, wait_s: float, ports: Any) -> None:
         _serve_sync(wait_s, ports)
 
 
-def _answers_handlers(answers: dict[str, bytes], behaviour: Any) -> list[grpc.GenericRpcHandler]:
-    """One generic handler per service of `answers` ("/pkg.Service/Method" -> response bytes)."""
+def _answers_handlers(answers: dict[str, bytes], behaviour: Any, stream: bool = False
+                      ) -> list[grpc.GenericRpcHandler]:
+    """One generic handler per service of `answers` ("/pkg.Service/Method" -> response bytes); `stream`:
+    each served as a client-streaming method (callers still make unary calls)."""
     services: dict[str, dict[str, grpc.RpcMethodHandler]] = {}
+    make = grpc.stream_unary_rpc_method_handler if stream else grpc.unary_unary_rpc_method_handler
     for path, payload in answers.items():
         service, method = path.lstrip("/").split("/")
-        services.setdefault(service, {})[method] = grpc.unary_unary_rpc_method_handler(
-            behaviour(payload), _identity, _identity)
+        services.setdefault(service, {})[method] = make(behaviour(payload), _identity, _identity)
     return [grpc.method_handlers_generic_handler(name, methods) for name, methods in services.items()]
 
 
-async def _answer_aio(answers: dict[str, bytes], ports: Any, hop: bool) -> None:
+async def _answer_aio(answers: dict[str, bytes], ports: Any, kind: str) -> None:
+    """`kind`: "aio", "aio-hop", or "aio-anext" / "aio-read", a unary call served as a client-streaming method
+    that reads its one message from the request iterator / with `context.read()` (what the service's bounded
+    wait for the message does, service/doors/message_wait.py)."""
     pool = ThreadPoolExecutor(1)
 
     def behaviour(payload: bytes) -> Any:
@@ -99,10 +107,18 @@ async def _answer_aio(answers: dict[str, bytes], ports: Any, hop: bool) -> None:
 
         async def call_hop(request: bytes, context: Any) -> bytes:
             return await asyncio.wrap_future(pool.submit(_identity, payload))
-        return call_hop if hop else call
+
+        async def call_anext(requests: Any, context: Any) -> bytes:
+            await anext(requests)
+            return payload
+
+        async def call_read(requests: Any, context: Any) -> bytes:
+            await context.read()
+            return payload
+        return {"aio": call, "aio-hop": call_hop, "aio-anext": call_anext, "aio-read": call_read}[kind]
 
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers(_answers_handlers(answers, behaviour))
+    server.add_generic_rpc_handlers(_answers_handlers(answers, behaviour, stream=kind in ("aio-anext", "aio-read")))
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     await server.start()
     await server.wait_for_termination()
@@ -122,8 +138,8 @@ def _answer_sync(answers: dict[str, bytes], ports: Any, threads: int) -> None:
 
 
 def _answer(kind: str, answers: dict[str, bytes], ports: Any, threads: int) -> None:
-    if kind in ("aio", "aio-hop"):
-        asyncio.run(_answer_aio(answers, ports, hop=kind == "aio-hop"))
+    if kind in AIO_KINDS:
+        asyncio.run(_answer_aio(answers, ports, kind))
     else:
         _answer_sync(answers, ports, threads)
 
@@ -133,11 +149,12 @@ class FloorServer:
     ("/pkg.Service/Method" -> response bytes) with its bytes at once, doing nothing else: what Python
     gRPC alone costs per call. `kind` "aio" is a grpc.aio server; "aio-hop" the same whose handler
     awaits the bytes from a worker thread (the hand-off every service call makes to its model thread,
-    one per call here); "sync" a `grpc.server` whose handlers run on a pool of `threads`. `stop()` kills it."""
+    one per call here); "aio-anext" and "aio-read" serve each method as client-streaming (`_answer_aio`);
+    "sync" a `grpc.server` whose handlers run on a pool of `threads`. `stop()` kills it."""
 
     def __init__(self, kind: str, answers: dict[str, bytes], *, threads: int = 8, timeout: float = 60.0) -> None:
-        if kind not in ("aio", "aio-hop", "sync"):
-            raise ValueError(f"kind must be aio, aio-hop or sync; got {kind!r}")
+        if kind not in (*AIO_KINDS, "sync"):
+            raise ValueError(f"kind must be one of {', '.join(AIO_KINDS)} or sync; got {kind!r}")
         context = mp.get_context("spawn")
         ports: Any = context.Queue()
         self.kind = kind

@@ -6,7 +6,8 @@ embeddings back (pooling "model", normalised, no hidden states). The ceiling tok
 same texts in process with the bundle's tokenizer and module, length-sorted batches at the best token
 budget, the server's threads: tokenization is included on both sides. Closed-loop load at concurrency
 1, 16 and 64 (client/load.py), each run bracketed by a ceiling measurement (the shared machine drifts).
-Bounded: `--duration` seconds per load run (default 15), about 3 minutes in all.
+`--words short` sends bench/ab.py's short texts (3-15 words) instead, `--precision` runs both sides in bf16 or
+fp16. Bounded: `--duration` seconds per load run (default 15), about 3 minutes in all.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=15.0, help="seconds per load run [default 15]")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--texts", type=int, default=512, help="distinct texts [default 512]")
+    parser.add_argument("--words", choices=("mixed", "short"), default="mixed",
+                        help="mixed: 4-200 words [default]; short: 3-15 words (bench/ab.py's short texts)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="the server's and the ceiling's [default fp32]")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", type=Path, help="write the results as JSON")
     args = parser.parse_args(argv)
@@ -112,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
                                        "--name", "all-MiniLM-L6-v2"]) == 0
                 finally:
                     sys.stdout = stdout
-        texts = make_texts(args.texts)
-        ceiling = Ceiling(bundle, texts, args.threads)
+        if args.words == "mixed":
+            texts = make_texts(args.texts)
+        else:
+            from bench.ab import make_texts as make_word_texts  # bench.ab imports this module's WORDS
+
+            texts = make_word_texts(args.words, args.texts)
+        ceiling = Ceiling(bundle, texts, args.threads, precision=args.precision)
         counts = ceiling.token_counts()
         budget, rate = ceiling.search()
         print(f"texts: {len(texts)}, tokens per text p50 {int(np.median(counts))}, min {min(counts)}, "
               f"max {max(counts)}; ceiling {rate:.1f} seq/s at a budget of {budget} tokens", flush=True)
-        server = ServerProcess(bundle, "--torch-threads", str(args.threads))
+        server = ServerProcess(bundle, "--torch-threads", str(args.threads), "--precision", args.precision)
         rows = []
         try:
             pairs = list(zip(texts, counts, strict=True))
