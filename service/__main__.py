@@ -19,7 +19,7 @@ from service.config import ServiceConfig
 # sleeps: libgomp's default (300,000 iterations) keeps a wide forward's second thread busy for milliseconds
 # after the forward, taking that core from the event loop, the other model worker and any other process. A
 # forward's own regions follow each other within microseconds, well inside 10,000 (docs/performance.md;
-# bench/RESULTS.md: server CPU a call -9 to -31% at equal or better texts/s, c1 latency unchanged).
+# bench/RESULTS.md: server CPU a call -13 to -31% at concurrency 1, throughput equal or better, latency unchanged).
 OPENMP_SPINCOUNT = "10000"
 
 
