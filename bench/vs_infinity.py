@@ -56,8 +56,10 @@ from bench.ab import make_texts as make_word_texts
 from bench.text_bench import make_texts
 
 ARMS = ("http", "grpc", "infinity")
-# One core's worth of other work, bounded in time (its argument, seconds) even if this process dies.
-HOG = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass"
+# One core's worth of other work, bounded in time (its argument, seconds) even if this process dies; it writes a
+# byte once it runs, and the slice starts when every busy loop has.
+HOG = ("import sys, time\nend = time.monotonic() + float(sys.argv[1])\nsys.stdout.write('.')\nsys.stdout.flush()\n"
+       "while time.monotonic() < end: pass")
 
 
 def tree_cpu_s(root: int) -> float:
@@ -343,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                     order = args.arms if (r + args.concurrency.index(c)) % 2 == 0 else args.arms[::-1]
                     for arm in order:
                         others = list({s.pid for s in servers.values()} - {servers[arm].pid})
-                        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(args.duration + 30)])
-                                for _ in range(args.hog)]
+                        hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(args.duration + 30)],
+                                                 stdout=subprocess.PIPE) for _ in range(args.hog)]
                         try:
+                            for hog in hogs:
+                                assert hog.stdout is not None and hog.stdout.read(1) == b".", "a busy loop died"
                             load_start, cpu0 = load_average(), tree_cpu_s(servers[arm].pid)
                             idle0 = sum(tree_cpu_s(p) for p in others)
                             calls, errors, seconds, lat = asyncio.run(
@@ -353,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                         finally:
                             for hog in hogs:
                                 hog.kill()
-                                hog.wait()
+                                hog.communicate()  # reaps it and closes its pipe
                         cpu = tree_cpu_s(servers[arm].pid) - cpu0
                         idle = sum(tree_cpu_s(p) for p in others) - idle0
                         s = Slice(arm, c, r, calls, errors, seconds, lat, cpu, idle, load_start, load_average())
