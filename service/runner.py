@@ -495,7 +495,7 @@ class Runner:
             for row, job in enumerate(jobs):
                 assert job.token_ids is not None  # one key per batch: all ids or all embeddings
                 rows[row, : job.length] = job.token_ids
-            ids = ids_host.to(self.device, non_blocking=True)
+            ids = self._to_device(ids_host)
             if first.token_types is not None:  # pairs with token type 1: fed as embeddings (model/heads.py)
                 emb = self._pair_embeddings(module, jobs, ids, (B, T))
                 ids = None
@@ -505,7 +505,7 @@ class Runner:
             for row, job in enumerate(jobs):
                 rows_f[row, : job.length] = job.embeddings
             dtype = DTYPES[self.precision] if module is self._module else torch.float32
-            emb = emb_host.to(self.device, dtype=dtype, non_blocking=True)  # non-blocking: cast on the device
+            emb = self._to_device(emb_host, dtype)  # non-blocking: cast on the device
         return ids, emb, lengths_host
 
     def _pair_embeddings(self, module: Any, jobs: Sequence[Job], ids: torch.Tensor,
@@ -519,7 +519,7 @@ class Runner:
         for row, job in enumerate(jobs):
             assert job.token_types is not None  # one key per batch: all with token types or none
             rows[row, : job.length] = job.token_types
-        return pair_embeddings(table, head.type_delta, ids, types_host.to(self.device, non_blocking=True))
+        return pair_embeddings(table, head.type_delta, ids, self._to_device(types_host))
 
     def _run_heads(self, jobs: Sequence[Job], hidden: torch.Tensor, lengths: torch.Tensor,
                    ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -566,7 +566,7 @@ class Runner:
         """
         first = jobs[0]
         ids, emb, lengths_host = self._collate(module, jobs)
-        lengths = lengths_host.to(self.device, non_blocking=True)
+        lengths = self._to_device(lengths_host)
         # Query expansion not attended: the rows past a sequence's keys are outputs too, so the batch must not
         # run packed (which leaves them zeros); `full` counts every token of each sequence.
         unpacked = any(0 < job.attend < job.length for job in jobs)
@@ -575,7 +575,7 @@ class Runner:
             assert self._unpacked, "Job.attend on a bundle without forward_unpacked. This is a bug."
             full_host = self._host_zeros((len(jobs),), torch.int64)
             full_host.numpy()[:] = [job.length for job in jobs]
-            full = full_host.to(self.device, non_blocking=True)
+            full = self._to_device(full_host)
         layers = sorted(set(first.attn_layers))
         precision = self.precision if module is self._module else "fp32"
         events = (_timing_event(), _timing_event()) if self._cuda else None
@@ -592,9 +592,9 @@ class Runner:
                 self.compiled_forwards += 1
             else:
                 hidden, attention = module(ids, emb, lengths_host, first.causal, layers)
-            hidden = hidden.float()
+            hidden = _fp32(hidden)
             if attention is not None:
-                attention = attention.float()
+                attention = _fp32(attention)
             finite = self._finite_rows(hidden, attention, full)
             # Pooled on the device, so a batch that returns only pooled vectors copies B x D values
             # back rather than B x T x D (on a GPU the copy of a large batch costs a good part of its
@@ -636,12 +636,13 @@ class Runner:
     def _finite_rows(self, hidden: torch.Tensor, attention: torch.Tensor | None,
                      lengths: torch.Tensor) -> torch.Tensor:
         """(B,) bool: whether each sequence's output (padding excluded) is all finite."""
-        if not self._cuda and bool(torch.isfinite(hidden.sum())) and (
-                attention is None or bool(torch.isfinite(attention.sum()))):
+        if not self._cuda and np.isfinite(hidden.numpy().sum()) and (
+                attention is None or np.isfinite(attention.numpy().sum())):
             # A sum is finite only if every term is (NaN and Inf propagate), so one reduction clears the
-            # whole batch; the per-row check below costs far more on CPU (bench/RESULTS.md).
-            # Not on CUDA: branching on a device value would wait for the device in a pipelined launch.
-            return torch.ones(hidden.shape[0], dtype=torch.bool)
+            # whole batch; the per-row check below costs far more on CPU (bench/RESULTS.md). In numpy, which
+            # keeps the GIL. Not on CUDA: branching on a device value would wait for the device in a
+            # pipelined launch.
+            return torch.from_numpy(np.ones(hidden.shape[0], dtype=bool))
         real = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]  # (B, T)
         finite = (torch.isfinite(hidden).all(dim=-1) | ~real).all(dim=-1)
         if attention is not None:
@@ -661,8 +662,17 @@ class Runner:
                        _numpy(pending.scores), _numpy(pending.vectors))
 
     def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place.
-        return torch.zeros(shape, dtype=dtype, pin_memory=self._cuda)
+        # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place, made by numpy,
+        # which keeps the GIL (a torch call lets go of it and must win it back from a busy event loop).
+        if not self._cuda:
+            return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+    def _to_device(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A host tensor on the device (a non-blocking copy, cast there), or as it is on CPU in its dtype."""
+        if not self._cuda and (dtype is None or tensor.dtype == dtype):
+            return tensor
+        return tensor.to(self.device, dtype=dtype, non_blocking=True)
 
     def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Queue the copy of a device tensor into pinned host memory (read it after the done event)."""
@@ -747,6 +757,14 @@ def _warm(result: tuple[list[Output | ServiceError], float]) -> None:
     failed = [o for o in result[0] if isinstance(o, ServiceError)]
     if failed:
         raise RuntimeError(f"warm-up failed: {failed[0]}")
+
+
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.float32: np.float32}
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp32; as it is when it is already (`.float()` is a torch call, which lets go of the GIL)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 def _numpy(tensor: torch.Tensor | None) -> np.ndarray | None:
