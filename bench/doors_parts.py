@@ -1,6 +1,7 @@
 """What the edge's own pieces cost, in process, one at a time (issue 22): per call on the event loop
-(parse and validate, build and serialize the response, the request metrics) and per batch on the model
-thread (the batch choice, the batch metrics). Timed on whatever tree is first on the path, so two trees
+(parse and validate, build and serialize the response, the request metrics; a 128 KiB answer serialized in a
+loop turn or handed to a worker thread and back) and per batch on the model thread (the batch choice, the
+batch metrics). Timed on whatever tree is first on the path, so two trees
 compare as
 
     PYTHONPATH=/path/to/other/checkout python bench/doors_parts.py
@@ -12,10 +13,12 @@ Prints a markdown table: the minimum over `--repeat` runs of `--number` calls, i
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import inspect
 import sys
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from client.messages import EncodeOptions, build_request
 from proto.attention.v1 import attention_pb2 as pb
+from proto.attention.v1.codec import fill_tensor
 from service.batching import Done
 from service.batching.choice import choose_batch
 from service.batching.types import BatchLimits
@@ -50,7 +54,8 @@ except ImportError:  # a tree from before the one call path (issue 38)
         return _response(plan, done, *outputs, spec)
 
 
-def parts() -> list[tuple[str, Callable[[], Any]]]:
+@contextlib.contextmanager
+def parts() -> Iterator[list[tuple[str, Callable[[], Any]]]]:
     spec = ModelSpec(name="edge", version="1", checksum="x", d_model=32, n_heads=4, n_layers=1, vocab_size=100,
                      max_length=64, positional="sinusoidal", precision="fp32", device="cpu", tokenizer=None,
                      attention_scale=32 ** -0.5, standard_scale=True, relative_bias="none")
@@ -62,17 +67,38 @@ def parts() -> list[tuple[str, Callable[[], Any]]]:
     metrics = Metrics(CollectorRegistry())
     limits = BatchLimits(max_batch_tokens=1024, max_batch_size=64)
     ages8 = [0.001 * i for i in range(8, 0, -1)]  # oldest first
-    return [
-        ("parse + validate, one 16-id sequence (event loop, per call)", lambda: validate(parse(raw), spec, config)),
-        ("build and serialize the response (event loop, per call)",
-         lambda: respond(plan, done, spec).SerializeToString()),
-        ("attention_requests_total + duration (per call)", lambda: metrics.observe_request("Encode", "OK", 0.01)),
-        ("choose_batch, 4 mixed lengths (model thread, per batch)",
-         lambda: choose_batch([16, 17, 18, 19], [0.004, 0.003, 0.002, 0.001], limits)),
-        ("choose_batch, 8 mixed lengths", lambda: choose_batch(list(range(16, 24)), ages8, limits)),
-        ("choose_batch, 8 calls of 16 tokens", lambda: choose_batch([16] * 8, ages8, limits)),
-        ("on_batch, 8 sequences (model thread, per batch)", lambda: metrics.on_batch(8, 16, 128, [0.001] * 8, True)),
-    ]
+    # A 128 KiB answer (128 tokens x 256 floats) serialized on a loop, or handed to a worker thread and back as
+    # service/doors/rpc.py `serialize` does past SERIALIZE_INLINE_BYTES; both run one loop turn, so the
+    # difference is the hand-off.
+    loop = asyncio.new_event_loop()
+    answer = pb.Tensor()
+    fill_tensor(answer, np.ones((128, 256), np.float32))
+
+    async def on_loop() -> bytes:
+        return answer.SerializeToString()
+
+    async def handed_off() -> bytes:
+        return await asyncio.to_thread(answer.SerializeToString)
+
+    try:
+        yield [
+            ("parse + validate, one 16-id sequence (event loop, per call)", lambda: validate(parse(raw), spec, config)),
+            ("build and serialize the response (event loop, per call)",
+             lambda: respond(plan, done, spec).SerializeToString()),
+            ("attention_requests_total + duration (per call)", lambda: metrics.observe_request("Encode", "OK", 0.01)),
+            ("choose_batch, 4 mixed lengths (model thread, per batch)",
+             lambda: choose_batch([16, 17, 18, 19], [0.004, 0.003, 0.002, 0.001], limits)),
+            ("choose_batch, 8 mixed lengths", lambda: choose_batch(list(range(16, 24)), ages8, limits)),
+            ("choose_batch, 8 calls of 16 tokens", lambda: choose_batch([16] * 8, ages8, limits)),
+            ("on_batch, 8 sequences (model thread, per batch)",
+             lambda: metrics.on_batch(8, 16, 128, [0.001] * 8, True)),
+            ("serialize a 128 KiB answer in a loop turn (event loop, per call)",
+             lambda: loop.run_until_complete(on_loop())),
+            ("the same in a worker thread and back (asyncio.to_thread)", lambda: loop.run_until_complete(handed_off())),
+        ]
+    finally:
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (1 <= args.number <= 100_000 and 1 <= args.repeat <= 50):
         parser.error("--number must be in 1..100000 and --repeat in 1..50")
     print("| piece | us |\n|---|---:|")
-    for name, fn in parts():
-        seconds = min(timeit.repeat(fn, number=args.number, repeat=args.repeat)) / args.number
-        print(f"| {name} | {1e6 * seconds:.1f} |")
+    with parts() as pieces:
+        for name, fn in pieces:
+            seconds = min(timeit.repeat(fn, number=args.number, repeat=args.repeat)) / args.number
+            print(f"| {name} | {1e6 * seconds:.1f} |")
     return 0
 
 

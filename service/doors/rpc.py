@@ -250,7 +250,12 @@ async def _in_order(requests: AsyncIterator[bytes], one: Callable[[bytes], Await
             waiting.cancel()
 
 
-INLINE_BYTES = 64 << 10  # a bigger request message is parsed, and a bigger answer serialized, in a worker thread
+INLINE_BYTES = 64 << 10  # a bigger request message has its fields counted, then is parsed in a worker thread
+# A bigger answer is serialized in a worker thread. Serializing our own message copies at memory speed and holds
+# the GIL (upb): 2 MiB costs 70-90 us inline, while a hand-off to a thread and back costs 60-80 us of latency at
+# 128 KiB and 160 at 2 MiB (bench/RESULTS.md, issue 42), and frees the loop only at the GIL's switch interval.
+# Past this size the serialization outgrows that interval, and the thread gives the loop its turns.
+SERIALIZE_INLINE_BYTES = 2 << 20
 
 
 def _varint(raw: bytes, at: int) -> tuple[int, int]:
@@ -307,8 +312,8 @@ async def parse(message_type: Any, raw: bytes, config: ServiceConfig) -> Any:
 
 
 async def serialize(message: Any) -> bytes:
-    """A response message's bytes, serialized in a worker thread when it is over INLINE_BYTES."""
-    if message.ByteSize() > INLINE_BYTES:
+    """A response message's bytes, serialized in a worker thread when it is over SERIALIZE_INLINE_BYTES."""
+    if message.ByteSize() > SERIALIZE_INLINE_BYTES:
         data: bytes = await asyncio.to_thread(message.SerializeToString)
     else:
         data = message.SerializeToString()
