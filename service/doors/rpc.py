@@ -252,9 +252,9 @@ async def _in_order(requests: AsyncIterator[bytes], one: Callable[[bytes], Await
 
 INLINE_BYTES = 64 << 10  # a bigger request message has its fields counted, then is parsed in a worker thread
 # A bigger answer is serialized in a worker thread. Serializing our own message copies at memory speed and holds
-# the GIL (upb): 2 MiB costs 70-90 us inline, while a hand-off to a thread and back costs 60-80 us of latency at
-# 128 KiB and 160 at 2 MiB (bench/RESULTS.md, issue 42), and frees the loop only at the GIL's switch interval.
-# Past this size the serialization outgrows that interval, and the thread gives the loop its turns.
+# the GIL (upb): up to this size it costs less inline (2 MiB: 70-90 us) than the hand-off to a thread and back
+# (60-80 us of latency at 128 KiB, 160 at 2 MiB; bench/RESULTS.md, issue 42). Bigger ones approach the GIL's
+# switch interval (8 MiB: 0.4-0.7 ms), at which the thread lets the loop take its turns.
 SERIALIZE_INLINE_BYTES = 2 << 20
 
 
