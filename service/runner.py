@@ -662,8 +662,8 @@ class Runner:
                        _numpy(pending.scores), _numpy(pending.vectors))
 
     def _host_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place, made by numpy,
-        # which keeps the GIL (a torch call lets go of it and must win it back from a busy event loop).
+        # Pinned on CUDA, so the copy in is an asynchronous DMA; CPU tensors are used in place, made by numpy:
+        # a torch call is a dispatch that also lets go of the GIL and takes it back, per batch.
         if not self._cuda:
             return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
         return torch.zeros(shape, dtype=dtype, pin_memory=True)
