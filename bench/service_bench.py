@@ -3,8 +3,9 @@
 1. The ceiling: the bundle called in process (no gRPC), at its best batch size, with the threads and
    precision the server uses: fixed-length batches, and length-sorted batches of the mixed workload at
    the best token budget. Also the batch-1 latency, the bar for concurrency 1. The search runs once;
-   then each load run's bar is measured again right before and right after it, and the target rows
-   run `--rounds` times (this shared machine's forward time drifts by +-30% between minutes).
+   then each load run's bar is measured again right before and right after it, with the CPU that bar
+   cost a sequence (this process's, all threads: measured, not taken as every core), and the target
+   rows run `--rounds` times (this shared machine's forward time drifts by +-30% between minutes).
 2. The service: `python -m service` in a subprocess on 127.0.0.1, under closed-loop load from this
    process (client/load.py: grpc.aio callers, one call in flight each, requests serialized up front),
    at several concurrencies, fixed and mixed lengths, batching on and off, fp32 (and bf16 with --bf16).
@@ -14,7 +15,8 @@
    alternates by round; each run bracketed by the bar), so that drift falls on both (`--no-naive`
    leaves it out).
 4. A table with the ratios the performance issues set as targets (service / ceiling and service /
-   naive), JSON, and two plots.
+   naive; at the highest concurrency the server's whole CPU a sequence, all its threads, against the
+   bar's), JSON, and two plots.
 
 Bounded: every load run has a fixed duration; the whole default run takes about 13 minutes on 2 cores
 (`--quick`: about 2 minutes).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import sys
@@ -103,6 +106,9 @@ class InProcess:
         narrow = max(1, threads // workers)
         self._pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(narrow,))
         self.best_batch, self.best_budget, self.fixed_workers, self.mixed_workers = 16, 1024, 1, 1
+        # The CPU (all of this process's threads) a sequence cost in the last `measure` above concurrency 1:
+        # what the server's CPU a sequence is set against (issue 42), measured, not taken as every core.
+        self.cpu_ms_per_seq = math.nan
 
     def close(self) -> None:
         self._pool.shutdown()
@@ -147,11 +153,13 @@ class InProcess:
                        self.mixed_workers, 1e3 / fixed[1, 1], self.measure(MIXED, 1))
 
     def measure(self, lengths: tuple[int, int], concurrency: int) -> float:
-        """The bar for one load run: batch-1 latency in ms at concurrency 1, else sequences/s.
+        """The bar for one load run: batch-1 latency in ms at concurrency 1, else sequences/s (and the CPU
+        that cost, `cpu_ms_per_seq`).
 
         At concurrency 1 it is the median of single forwards over the load's lengths (for mixed
         lengths, one at the middle of each of 16 equal strata of the sorted sample), as the service's
         p50 is a median over its calls: p50 against p50."""
+        self.cpu_ms_per_seq = math.nan
         if concurrency == 1:
             sample = [FIXED[0]] * 8 if lengths == FIXED else strata(self._mixed, 16)
             self.forward([sample[len(sample) // 2]])  # warm-up
@@ -163,9 +171,14 @@ class InProcess:
                     seconds.append(time.perf_counter() - started)
             return 1e3 * float(np.median(seconds))
         if lengths == FIXED:
-            w = self.fixed_workers
-            return self._seq_s(self._fixed(self.best_batch, w), w, reps=5)
-        return self._seq_s(self._sorted_batches(self.best_budget), self.mixed_workers, reps=1)
+            batches, workers, reps = self._fixed(self.best_batch, self.fixed_workers), self.fixed_workers, 5
+        else:
+            batches, workers, reps = self._sorted_batches(self.best_budget), self.mixed_workers, 1
+        cpu = time.process_time()
+        seq_s = self._seq_s(batches, workers, reps)
+        # `_time` runs the batches reps + 1 times (one warm-up); this process runs nothing else meanwhile.
+        self.cpu_ms_per_seq = 1e3 * (time.process_time() - cpu) / ((reps + 1) * sum(map(len, batches)))
+        return seq_s
 
 
 def run_one(target: str, concurrency: int, lengths: tuple[int, int], duration: float, warmup: float,
@@ -287,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                         if round_ % 2:
                             order.reverse()
                         bars = [roof.measure(lengths, concurrency)]
+                        bar_cpu = [roof.cpu_ms_per_seq]
                         for arm, address, stream in order:
                             ours = arm == "service"  # its threads are told apart by name (thread_cpu_s)
                             cpu_before, started = thread_cpu_s(server.pid) if ours else {}, time.monotonic()
@@ -294,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                             cpu = cpu_split(cpu_before, thread_cpu_s(server.pid) if ours else {},
                                             time.monotonic() - started)
                             bars.append(roof.measure(lengths, concurrency))
+                            bar_cpu.append(roof.cpu_ms_per_seq)
                             row = _row(arm, precision, batching and arm == "service", lengths, round_, bars[-2:],
-                                       ceiling, report, cpu)
+                                       ceiling, report, cpu, bar_cpu[-2:])
                             results.append(row)
                             print(_line(row), flush=True)
         finally:
@@ -343,10 +358,13 @@ def _choices(served: dict[str, Any]) -> str:
 
 
 def _row(arm: str, precision: str, batching: bool, lengths: tuple[int, int], round_: int, bar: list[float],
-         ceiling: Ceiling, report: BenchReport, server_cpu: dict[str, float] | None = None) -> dict[str, Any]:
+         ceiling: Ceiling, report: BenchReport, server_cpu: dict[str, float] | None = None,
+         bar_cpu: list[float] | None = None) -> dict[str, Any]:
     """One load run: its bar is the mean of the in-process measurements right before and after it (at
     concurrency 1, its throughput is set against the search's best batch; the bar is batch-1 ms).
-    `server_cpu`: the service's cores by kind of thread over the run, warm-up included (`cpu_split`)."""
+    `server_cpu`: the service's cores by kind of thread over the run, warm-up included (`cpu_split`);
+    `bar_cpu`: the CPU ms a sequence of those two measurements (NaN at concurrency 1)."""
+    measured = [ms for ms in bar_cpu or [] if not math.isnan(ms)]
     concurrency, mean = report.concurrency, (bar[0] + bar[1]) / 2
     best = ceiling.fixed_seq_s if lengths == FIXED else ceiling.mixed_seq_s
     best1 = ceiling.batch1_ms_fixed if lengths == FIXED else ceiling.batch1_ms_mixed
@@ -354,6 +372,7 @@ def _row(arm: str, precision: str, batching: bool, lengths: tuple[int, int], rou
     return {"arm": arm, "precision": precision, "batching": batching, "lengths": list(lengths), "round": round_,
             "bar": list(bar), "ceiling_seq_s": roof_seq_s, "ratio": report.sequences_per_s / roof_seq_s,
             "batch1_ms": mean if concurrency == 1 else best1, "server_cpu": server_cpu,
+            "bar_cpu_ms_per_seq": float(np.mean(measured)) if measured else None,
             **report.to_dict(samples=True)}
 
 
@@ -447,6 +466,13 @@ def markdown(meta: dict[str, Any], ceilings: list[Ceiling], results: list[dict[s
                 loadgen = float(np.median([r["client_cpu"] for r in rows]))
                 line += (f"; CPU s/s (medians): the model threads {model:.2f}, the event loop {loop:.2f}, the rest "
                          f"of the server {other:.2f}, the load generator {loadgen:.2f}")
+            paired = [(1e3 * sum(r["server_cpu"].values()) / r["sequences_per_s"], r["bar_cpu_ms_per_seq"])
+                      for r in rows if r.get("server_cpu") and r.get("bar_cpu_ms_per_seq")]
+            if paired:  # a CPU ratio: the load generator's share of the machine does not enter it
+                line += (f"; CPU a sequence, the whole server against the forward in process (measured beside each "
+                         f"run): {_median_of([ours for ours, _ in paired], '.2f')} ms against "
+                         f"{_median_of([bar for _, bar in paired], '.2f')} ms, "
+                         f"{_median_of([ours / bar for ours, bar in paired], '.2f')}x (issue 42's target <= 1.10)")
             lines.append(line)
     return "\n".join(lines) + "\n"
 

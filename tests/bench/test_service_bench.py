@@ -1,6 +1,7 @@
 """bench/service_bench.py: the concurrency-1 bar is measured over the load's lengths without bias; the table sets
 the service against its ceiling and against the naive server of the same round."""
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,32 @@ def test_the_concurrency_1_bar_times_single_forwards_at_the_strata_of_the_length
     assert batches == [[want[8]]] + [[n] for n in want] * 3
 
 
+def test_a_throughput_bar_measures_the_cpu_a_sequence_cost_and_a_latency_bar_none(tmp_path: Path) -> None:
+    ceiling = InProcess(ensure_default_bundle(tmp_path), "fp32", max_batch_size=2, threads=1, workers=1)
+    ceiling.best_batch = 2
+    forward, batches = ceiling.forward, []
+
+    def recording(lengths: list[int]) -> None:
+        batches.append(lengths)
+        forward(lengths)
+
+    ceiling.forward = recording  # type: ignore[method-assign]  # the real forward, recorded
+    try:
+        seq_s, cpu_ms = ceiling.measure(FIXED, 64), ceiling.cpu_ms_per_seq
+        ceiling.measure(FIXED, 1)
+    finally:
+        ceiling.close()
+    assert batches[:12] == [[FIXED[0]] * 2] * 2 * 6 and seq_s > 0  # a warm-up and 5 timed runs of 2 batches of 2
+    assert 0 < cpu_ms < math.inf  # this process's CPU over those 24 sequences, a share of it each
+    assert math.isnan(ceiling.cpu_ms_per_seq)  # the latency bar after it has none
+
+
 def _run(arm: str, concurrency: int, round_: int, seq_s: float, p50: float, bar: float) -> dict[str, Any]:
     """A row as service_bench.main records it, with the numbers the summary reads."""
     return {"arm": arm, "precision": "fp32", "batching": arm == "service", "lengths": list(FIXED), "round": round_,
             "concurrency": concurrency, "bar": [bar, bar], "ceiling_seq_s": bar, "ratio": seq_s / bar,
-            "batch1_ms": bar, "sequences_per_s": seq_s, "tokens_per_s": 128 * seq_s, "errors": {},
-            "client_cpu": 0.5, "latency_ms": {"p50": p50, "p90": p50, "p99": 2 * p50},
+            "batch1_ms": bar, "bar_cpu_ms_per_seq": 2e3 / bar, "sequences_per_s": seq_s, "tokens_per_s": 128 * seq_s,
+            "errors": {}, "client_cpu": 0.5, "latency_ms": {"p50": p50, "p90": p50, "p99": 2 * p50},
             "server": {"queue_ms": 0.0, "compute_ms": 1.0, "batch_size": 1.0, "padding_ratio": 1.0}}
 
 
@@ -97,6 +118,11 @@ def test_the_table_sets_the_service_against_the_naive_server_of_the_same_round()
     assert "fp32 fixed c64: throughput 0.80 (0.80, 0.90, 0.80) of the ceiling (target >= 0.95)" in targets
     assert ("CPU s/s (medians): the model threads 1.60, the event loop 0.20, the rest of the server 0.05, the load "
             "generator 0.50") in targets
+    # The server's CPU a sequence (1.75-1.95 cores over 100, 90, 120 seq/s) against the bars' (2 cores over 125, 100,
+    # 150): a ratio per round, then the median.
+    assert ("CPU a sequence, the whole server against the forward in process (measured beside each run): 17.50 "
+            "(17.50, 20.56, 16.25) ms against 16.00 (16.00, 20.00, 13.33) ms, 1.09 (1.09, 1.03, 1.22)x (issue 42's "
+            "target <= 1.10)") in targets
     assert sum(line.endswith("| 0.50 | 1.70 / 0.20 / 0.05 |") for line in table.splitlines()) == 1  # round 2's
     assert sum(line.startswith("| naive | fp32 | off | 128 | 64 |") and line.endswith("| 0.50 | - |")
                for line in table.splitlines()) == 3
