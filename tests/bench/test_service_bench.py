@@ -41,15 +41,21 @@ def test_strata_refuses_a_count_it_cannot_take(k: int) -> None:
         strata([1, 2, 3], k)
 
 
-def test_the_concurrency_1_bar_times_single_forwards_at_the_strata_of_the_lengths(tmp_path: Path) -> None:
-    ceiling = InProcess(ensure_default_bundle(tmp_path), "fp32", max_batch_size=2, threads=1, workers=1)
+def _recorded(ceiling: InProcess) -> list[list[int]]:
+    """The batches `ceiling` runs from now on, in order (its real forward, recorded)."""
     forward, batches = ceiling.forward, []
 
     def recording(lengths: list[int]) -> None:
         batches.append(lengths)
         forward(lengths)
 
-    ceiling.forward = recording  # type: ignore[method-assign]  # the real forward, recorded
+    ceiling.forward = recording  # type: ignore[method-assign]
+    return batches
+
+
+def test_the_concurrency_1_bar_times_single_forwards_at_the_strata_of_the_lengths(tmp_path: Path) -> None:
+    ceiling = InProcess(ensure_default_bundle(tmp_path), "fp32", max_batch_size=2, threads=1, workers=1)
+    batches = _recorded(ceiling)
     try:
         fixed = ceiling.measure(FIXED, 1)
         fixed_batches, batches[:] = list(batches), []
@@ -65,13 +71,7 @@ def test_the_concurrency_1_bar_times_single_forwards_at_the_strata_of_the_length
 def test_a_throughput_bar_measures_the_cpu_a_sequence_cost_and_a_latency_bar_none(tmp_path: Path) -> None:
     ceiling = InProcess(ensure_default_bundle(tmp_path), "fp32", max_batch_size=2, threads=1, workers=1)
     ceiling.best_batch = 2
-    forward, batches = ceiling.forward, []
-
-    def recording(lengths: list[int]) -> None:
-        batches.append(lengths)
-        forward(lengths)
-
-    ceiling.forward = recording  # type: ignore[method-assign]  # the real forward, recorded
+    batches = _recorded(ceiling)
     try:
         seq_s, cpu_ms = ceiling.measure(FIXED, 64), ceiling.cpu_ms_per_seq
         ceiling.measure(FIXED, 1)
