@@ -7,8 +7,11 @@ previous caller's and its own. Then, per gap, two ways to do the same work:
 - `inline`: the caller runs it itself (a naive server runs its forward on the thread that read the request);
 - `hand-off`: the caller gives it to a worker thread blocked on a queue and waits for its answer, as the
   service's event loop hands a batch to its model thread and waits for the result (two threads woken a call).
-The work is one forward of bench/doors_bench.py's edge model (one sequence of 16 tokens, `Runner.execute`,
-one intra-op thread), and, to tell the model from the machine, a fixed pure-Python loop (`--work python`).
+The work (`--work`, all three by default): `forward`, one forward of bench/doors_bench.py's edge model (one
+sequence of 16 tokens, `Runner.execute`, one intra-op thread); `plan`, the event loop's own Python of one such
+call before its batch (the Encode request parsed, decoded and planned: a few hundred lines of the service's
+code and many small objects); `python`, a fixed pure-Python loop (little code, no memory), to tell the code a
+call touches from the machine.
 
 Per gap and way: the work's CPU on the thread that ran it and the call's wall time, medians over `calls`
 calls, and both against gap 0. A ratio well above 1 at a gap says that the machine makes work after idle
@@ -39,14 +42,19 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from bench.doors_bench import TOKENS, build_edge_bundle, machine
+from client.messages import EncodeOptions, build_request
+from proto.attention.v1 import attention_pb2 as pb
 from service.config import ServiceConfig
+from service.doors.attention_wire import NAMES, encode_ask, response_bytes
 from service.jobs import Job
 from service.metrics import Metrics
+from service.plan import plan
 from service.runner import Runner
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_GAP_MS, MAX_CALLS = 10.0, 5000
 PYTHON_STEPS = 20_000
+WORKS = ("forward", "plan", "python")
 
 
 @dataclass(frozen=True)
@@ -59,18 +67,37 @@ class Row:
     call_us: float  # median wall time of the call: the work, plus the hand-off's two wake-ups
 
 
-def forward_work(directory: Path) -> Callable[[], None]:
-    """One forward of the edge model through the service's runner (loaded here, fp32, one intra-op thread)."""
+def edge_runner(directory: Path) -> tuple[Runner, ServiceConfig]:
+    """The service's runner on the edge model (loaded here, fp32, one intra-op thread), and its config."""
     bundle = build_edge_bundle(directory)
     config = ServiceConfig(model=str(bundle), device="cpu", precision="fp32", torch_threads=1, model_workers=1,
                            metrics_port=-1, http_port=-1)
     runner = Runner(config, str(bundle), Metrics(CollectorRegistry()), workers=1)
     runner.load()
+    return runner, config
+
+
+def forward_work(runner: Runner) -> Callable[[], None]:
+    """One forward of one 16-token sequence through `runner`."""
     jobs = [Job(np.arange(TOKENS, dtype=np.int64), None)]
 
     def run() -> None:
         runner.set_wide(True)  # per thread: whichever thread runs it gets one intra-op thread
         runner.execute(jobs)
+
+    return run
+
+
+def plan_work(runner: Runner, config: ServiceConfig) -> Callable[[], None]:
+    """The event loop's own Python of one call before its batch: an Encode request of 16 token ids parsed,
+    decoded (attention_wire.encode_ask) and planned (service/plan.py), as the gRPC door does it."""
+    spec = runner.spec
+    assert spec is not None
+    raw = build_request([np.arange(TOKENS, dtype=np.int64) % spec.vocab_size], EncodeOptions(),
+                        request_id="wake-cost").SerializeToString()
+
+    def run() -> None:
+        plan(encode_ask(pb.EncodeRequest.FromString(raw), spec, config), spec, config, NAMES, response_bytes)
 
     return run
 
@@ -151,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gaps", type=float, nargs="+", default=[0.0, 0.2, 1.0, 5.0], help="idle ms before a call")
     parser.add_argument("--calls", type=int, default=400, help="calls per gap, way and work")
-    parser.add_argument("--work", choices=("forward", "python"), nargs="+", default=["forward", "python"])
+    parser.add_argument("--work", choices=WORKS, nargs="+", default=list(WORKS))
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "wake_cost.json")
     args = parser.parse_args(argv)
     if not all(0 <= gap <= MAX_GAP_MS for gap in args.gaps):
@@ -162,11 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="wake-cost-") as tmp:
-        works: dict[str, Callable[[], None]] = {}
-        if "forward" in args.work:
-            works["forward"] = forward_work(Path(tmp))
-        if "python" in args.work:
-            works["python"] = python_work
+        runner, config = edge_runner(Path(tmp))
+        works = {"forward": forward_work(runner), "plan": plan_work(runner, config), "python": python_work}
+        works = {name: work for name, work in works.items() if name in args.work}
         for name, work in works.items():
             rows += measure(name, work, args.gaps, args.calls)
     print(table(rows))
