@@ -1,18 +1,19 @@
 """`python -m service` (the `attention-service` command): parse the config, then serve until SIGTERM.
 
 Help and configuration errors come before torch is imported (they must not wait for it); the serving
-mode is chosen here: one process (service/server.py) or edge processes (service/multiproc/host.py).
+mode is chosen here: one process (service/server.py) or edge processes (service/multiproc/host.py), and the
+event loop it runs on (service/event_loop.py).
 So is OpenMP's spin (`openmp_defaults`), which libgomp reads once, when torch loads it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
 from collections.abc import MutableMapping
 
+from service import event_loop
 from service.config import ServiceConfig
 
 # How long an OpenMP thread that has finished its share of a parallel region spins for the next one before it
@@ -41,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.edge_processes:
         from service.multiproc.host import serve_with_edges
 
-        return asyncio.run(serve_with_edges(config))
+        return event_loop.run(serve_with_edges(config), config.event_loop)
     from prometheus_client import CollectorRegistry
 
     from service.server import serve
 
-    return asyncio.run(serve(config, CollectorRegistry()))
+    return event_loop.run(serve(config, CollectorRegistry()), config.event_loop)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, multiprocess
 
+from service import event_loop
 from service.config import ServiceConfig
 from service.doors.build import build_doors
 from service.doors.calls import Calls, Model, Serving
@@ -119,12 +120,12 @@ async def run(directory: Path, index: int = 0) -> int:
 
 def main(argv: list[str]) -> int:
     directory, index = Path(argv[0]), int(argv[1])
-    level = json.loads((directory / CONFIG).read_text())["log_level"]
-    logging.basicConfig(level=level.upper(),
+    config = json.loads((directory / CONFIG).read_text())
+    logging.basicConfig(level=config["log_level"].upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[edge {index}]: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    return asyncio.run(run(directory, index))
+    return event_loop.run(run(directory, index), config["event_loop"])
 
 
 if __name__ == "__main__":
