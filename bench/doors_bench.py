@@ -19,7 +19,8 @@ Variants, each a fresh process per round on 127.0.0.1:
   `floor-aio-hop` (asked for with `--floors`): floor-aio whose handler gets its bytes from a worker
   thread, the hand-off the service makes to its model thread; `floor-aio-anext` and `floor-aio-read`: each
   method served as client-streaming, its one message read from the request iterator or with
-  `context.read()` (service/doors/message_wait.py's two ways of bounding the wait for it);
+  `context.read()` (service/doors/message_wait.py's two ways of bounding the wait for it); `floor-uvloop`:
+  floor-aio on uvloop's event loop, the loop the service runs on by default (service/event_loop.py);
 The load is client/load.py's closed loop (`run_load`): one sequence of 16 token ids per call, hidden
 states back in float32, `c` callers over `min(k, c)` connections for each concurrency and connection
 count. Rounds interleave the variants (order rotated per point and round), so the machine's drift
@@ -77,7 +78,7 @@ TOKENS = 16
 # The floors have no stream limit; the service's default (256 a connection) refuses some calls of 256
 # callers on one connection (a caller's next call can open before its last stream is released).
 ISOLATE_FLAGS = ("--torch-threads", "1", "--model-workers", "1", "--max-concurrent-streams", "1024")
-FLOORS = ("floor-aio", "floor-sync", "floor-aio-hop", "floor-aio-anext", "floor-aio-read")
+FLOORS = ("floor-aio", "floor-sync", "floor-aio-hop", "floor-aio-anext", "floor-aio-read", "floor-uvloop")
 MAX_SECONDS = 60.0
 
 @dataclass(frozen=True)
@@ -444,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-calls", type=int, default=None, help="measured calls per slice at most")
     parser.add_argument("--floors", nargs="*", choices=FLOORS, default=list(FLOORS[:2]),
                         help="floor-aio-hop: floor-aio whose handler awaits a worker thread; floor-aio-anext / "
-                        "-read: served as client-streaming, the message read from the iterator / with read() "
-                        "(default: aio, sync)")
+                        "-read: served as client-streaming, the message read from the iterator / with read(); "
+                        "floor-uvloop: floor-aio on uvloop (default: aio, sync)")
     parser.add_argument("--server-flag", action="append", default=[], help="a flag for the service (repeat)")
     parser.add_argument("--base-source", type=Path, default=None, help="another checkout, measured as `base`")
     parser.add_argument("--base-flag", action="append", default=[], help="a flag for the base service (repeat)")

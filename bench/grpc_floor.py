@@ -27,12 +27,14 @@ from typing import Any
 
 import grpc
 
+from service import event_loop
+
 PAYLOAD = b"\0" * (128 * 1024)
 REQUEST = b"\1" * 600  # about a serialized 128-token request
 METHOD = "/floor.Floor/Call"
 
 
-AIO_KINDS = ("aio", "aio-hop", "aio-anext", "aio-read")
+AIO_KINDS = ("aio", "aio-hop", "aio-anext", "aio-read", "uvloop")
 
 
 def _identity(data: bytes) -> bytes:
@@ -138,7 +140,9 @@ def _answer_sync(answers: dict[str, bytes], ports: Any, threads: int) -> None:
 
 
 def _answer(kind: str, answers: dict[str, bytes], ports: Any, threads: int) -> None:
-    if kind in AIO_KINDS:
+    if kind == "uvloop":
+        event_loop.run(_answer_aio(answers, ports, "aio"), "uvloop")
+    elif kind in AIO_KINDS:
         asyncio.run(_answer_aio(answers, ports, kind))
     else:
         _answer_sync(answers, ports, threads)
@@ -150,7 +154,8 @@ class FloorServer:
     gRPC alone costs per call. `kind` "aio" is a grpc.aio server; "aio-hop" the same whose handler
     awaits the bytes from a worker thread (the hand-off every service call makes to its model thread,
     one per call here); "aio-anext" and "aio-read" serve each method as client-streaming (`_answer_aio`);
-    "sync" a `grpc.server` whose handlers run on a pool of `threads`. `stop()` kills it."""
+    "uvloop" is "aio" on uvloop's event loop (the service's default, service/event_loop.py); "sync" a
+    `grpc.server` whose handlers run on a pool of `threads`. `stop()` kills it."""
 
     def __init__(self, kind: str, answers: dict[str, bytes], *, threads: int = 8, timeout: float = 60.0) -> None:
         if kind not in (*AIO_KINDS, "sync"):
