@@ -31,6 +31,9 @@ draft gets wrong without noticing:
 - the GIL switch interval is the service's (0.5 ms, service/engine.py SWITCH_INTERVAL_S): at 5 ms
   the forward thread waits up to that long for the GIL behind the event loop before and after each
   forward under concurrency.
+Its event loop is the service's default too (service/event_loop.py: uvloop where installed), which a first
+draft on `asyncio.run` would not have: the loop's CPU a call is a cost of serving either way, so the bar gets the
+cheaper one.
 
 The response is built with proto/attention/v1/codec.py (`fill_tensor`, the codec's in-place path for
 responses). Bad input gets INVALID_ARGUMENT naming the field; an option this server does not do
@@ -65,6 +68,7 @@ import torch
 from model.bundle import LoadedBundle, load_bundle
 from proto.attention.v1 import attention_pb2 as pb
 from proto.attention.v1.codec import SERVICE_NAME, TensorError, fill_tensor, from_tensor
+from service import event_loop
 from service.device import DTYPES, default_threads
 from service.engine import SWITCH_INTERVAL_S
 
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the service's (module docstring)
     servicer = NaiveServicer(args.model, args.precision, args.torch_threads or default_threads())
-    asyncio.run(serve(servicer, args.host, args.port, args.ready_file))
+    event_loop.run(serve(servicer, args.host, args.port, args.ready_file), "auto")  # the service's default
     return 0
 
 
