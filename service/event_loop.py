@@ -3,9 +3,10 @@ installed, else asyncio's own.
 
 Every call's network work, gRPC's completion queue and aiohttp's transport, runs on this loop, and on a CPU it
 is the largest cost of a short call outside the model: uvloop took 13% off the server's CPU a call at 1 and at
-64 callers of the doors' edge model and answered 8-14% more calls (bench/RESULTS.md, "Event loop"). grpc.aio
-runs on any asyncio loop. `auto` is uvloop whenever it can be imported (it is a pinned dependency on Linux and
-macOS); `asyncio` keeps the standard library's loop (the in-process tests run on it, so both are tested).
+64 callers of the doors' edge model and answered 8-14% more calls (bench/RESULTS.md, "No regression": the event
+loop). grpc.aio runs on any asyncio loop. `auto` is uvloop whenever it can be imported (it is a pinned dependency
+on Linux and macOS); `asyncio` keeps the standard library's loop (the in-process tests run on it, so both are
+tested).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def resolve(choice: str) -> str:
     return choice
 
 
-def loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
+def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
     if name == "uvloop":
         import uvloop
 
@@ -51,5 +52,5 @@ def run(main: Coroutine[Any, Any, T], choice: str) -> T:
                  "configured" if choice == name else choice)
     else:
         log.info("event loop: asyncio (%s)", "configured" if choice == name else "auto: uvloop is not installed")
-    with asyncio.Runner(loop_factory=loop_factory(name)) as runner:
+    with asyncio.Runner(loop_factory=_loop_factory(name)) as runner:
         return runner.run(main)
