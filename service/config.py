@@ -202,6 +202,9 @@ class ServiceConfig:
     drain_grace_s: float = _opt(10.0, "on SIGTERM, time accepted calls get to finish before UNAVAILABLE")
     reflection: bool = _opt(True, "register gRPC server reflection (switch off in production)")
     log_level: str = _opt("info", "debug | info | warning | error")
+    gc_freeze: bool = _opt(True, "once SERVING, move what start-up built into CPython's permanent generation "
+                                 "(gc.freeze) so full garbage collections skip it: each took ~0.1 s holding the GIL "
+                                 "(docs/performance.md)")
     event_loop: str = _opt("auto", "auto | uvloop | asyncio: the event loop the doors run on (auto = uvloop where "
                                    "installed: less CPU a call, docs/performance.md)")
     min_deadline_ms: float = _opt(1.0, "calls arriving with less time than this left get DEADLINE_EXCEEDED at once")

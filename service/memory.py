@@ -72,8 +72,15 @@ def rss_bytes() -> int:
 def release(cuda: bool) -> None:
     """Give memory freed by an unloaded model back: collect cycles, then return the allocator's free pages
     to the OS (glibc keeps freed heap memory below its trim threshold; malloc_trim returns it), or empty
-    torch's CUDA cache. Best effort."""
+    torch's CUDA cache. Best effort. A model loaded before the process froze its heap
+    (`service.process.freeze_heap`) is in the permanent generation, which collections skip: it is thawed for this
+    collection and what survives frozen again (with the objects of the calls in flight now)."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
     if cuda:
         torch.cuda.empty_cache()
     if sys.platform == "linux":

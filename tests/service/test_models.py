@@ -9,6 +9,7 @@ half of issue 41 whatever the doors do.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +32,7 @@ from service.fault_hooks import FaultHooks
 from service.jobs import POOL_MEAN, Job
 from service.memory import MIB, estimate_bytes, rss_bytes
 from service.metrics import Metrics
+from service.process import freeze_heap
 from service.runner import Runner
 from tests.support.helpers import test_config
 
@@ -316,18 +318,31 @@ async def test_a_model_over_the_memory_budget_is_refused_saying_so(engines, tiny
     assert list(engine.models) == ["tiny"] and "does not fit the memory budget" in engine.failed["big"]
 
 
-async def test_unloading_a_model_gives_its_memory_back(engines, tiny_bundle, big_bundle):
+@pytest.mark.parametrize("frozen", [False, True], ids=["heap", "frozen-heap"])
+async def test_unloading_a_model_gives_its_memory_back(engines, tiny_bundle, big_bundle, frozen):
+    # frozen: loaded before the heap was frozen, as a served process freezes it once SERVING (service/process.py
+    # freeze_heap; in the permanent generation, which collections skip, unless release() thaws it).
     engine = await engines(test_config(tiny_bundle, model_control="explicit", warmup=False))
     await asyncio.sleep(0)
+    assert gc.get_freeze_count() == 0
     before = rss_bytes()
     big = await engine.load_model("big", str(big_bundle))
     estimate = big.memory_bytes
     (out,) = await encode(big, [Job(np.array([1, 2, 3], np.int64), None)])
     assert out.hidden.shape == (3, 256)
     del out
-    loaded = rss_bytes()
-    await engine.unload_model("big", grace=5)
-    after = rss_bytes()  # `big` still held, as a caller or a door's registry may: its runner is let go of
+    cycle: list[Any] = [big.runner]  # a reference cycle through the runner, as a traceback or a closure makes:
+    cycle.append(cycle)  # once unreachable only a garbage collection frees it, and none scans the frozen heap
+    try:
+        if frozen:
+            assert freeze_heap() > 0
+        del cycle
+        loaded = rss_bytes()
+        await engine.unload_model("big", grace=5)
+        after = rss_bytes()  # `big` still held, as a caller or a door's registry may: its runner is let go of
+        assert (gc.get_freeze_count() > 0) == frozen  # what survived is frozen again
+    finally:
+        gc.unfreeze()  # this test process's heap as it was
     grew, kept = loaded - before, after - before
     print(f"RSS before {before / MIB:.0f} MiB, loaded {loaded / MIB:.0f} MiB (+{grew / MIB:.0f}), "
           f"unloaded {after / MIB:.0f} MiB (+{kept / MIB:.0f})")

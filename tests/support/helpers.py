@@ -54,11 +54,13 @@ def test_config(bundle: Path, **overrides: Any) -> ServiceConfig:
     """The tests' server config. The device is pinned to cpu (fp32), so the suite compares the same things on
     a machine with a GPU; CUDA is what tests/gpu/test_gpu.py asks for by overriding it. The model workers are
     the device's default, configured, so a test's split is not a warm-up measurement's choice (a test asks
-    for model_workers=0 to measure it)."""
+    for model_workers=0 to measure it). The heap is not frozen at SERVING (`gc_freeze`): a test process starts
+    many servers, and a freeze would keep the cycles of every server still alive then for the rest of its life
+    (`python -m service`, one server a process, freezes)."""
     device, threads = str(overrides.get("device", "cpu")), int(overrides.get("torch_threads") or default_threads())
     base = ServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, model=str(bundle), device=device,
                          precision="fp32", max_batch_tokens=2048, drain_grace_s=2.0,
-                         model_workers=default_workers(device, threads))
+                         model_workers=default_workers(device, threads), gc_freeze=False)
     return dataclasses.replace(base, **overrides)
 
 
