@@ -31,9 +31,10 @@ draft gets wrong without noticing:
 - the GIL switch interval is the service's (0.5 ms, service/engine.py SWITCH_INTERVAL_S): at 5 ms
   the forward thread waits up to that long for the GIL behind the event loop before and after each
   forward under concurrency.
-Its event loop is the service's default too (service/event_loop.py: uvloop where installed), which a first
-draft on `asyncio.run` would not have: the loop's CPU a call is a cost of serving either way, so the bar gets the
-cheaper one.
+Its event loop is the service's default too (service/event_loop.py: uvloop where installed), and like the
+service it freezes its start-up heap before it serves (service/process.py `freeze_heap`), neither of which a first
+draft would do: the loop's CPU and the garbage collector's pauses are costs of serving either way, so the bar
+gets the cheaper ones.
 
 The response is built with proto/attention/v1/codec.py (`fill_tensor`, the codec's in-place path for
 responses). Bad input gets INVALID_ARGUMENT naming the field; an option this server does not do
@@ -71,6 +72,7 @@ from proto.attention.v1.codec import SERVICE_NAME, TensorError, fill_tensor, fro
 from service import event_loop
 from service.device import DTYPES, default_threads
 from service.engine import SWITCH_INTERVAL_S
+from service.process import freeze_heap
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SEQUENCES = 64
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the service's (module docstring)
     servicer = NaiveServicer(args.model, args.precision, args.torch_threads or default_threads())
+    freeze_heap()  # the service's, once serving (module docstring)
     event_loop.run(serve(servicer, args.host, args.port, args.ready_file), "auto")  # the service's default
     return 0
 
