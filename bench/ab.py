@@ -56,7 +56,7 @@ import numpy as np
 
 from bench.http_load import EMBED, EMBEDDINGS, HttpReport, id_bodies, run_http_load, text_bodies
 from bench.service_bench import _choices as describe
-from bench.service_bench import served_choices, stat_cpu_s
+from bench.service_bench import process_cpu_s, served_choices, stat_cpu_s
 from bench.text_bench import WORDS
 from client import ModelInfo, SyncEncoderClient
 from client.load import BenchReport, run_load
@@ -76,8 +76,9 @@ def start(model: Path, source: Path, prelude: str, flags: list[str], timeout: fl
 
 
 def cpu_s(pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) of process `pid` and of its main thread, the event loop's."""
-    return stat_cpu_s(Path(f"/proc/{pid}/stat")), stat_cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
+    """CPU seconds (user + system) of process `pid` (to the nanosecond) and of its main thread, the event loop's
+    (in /proc's clock ticks)."""
+    return process_cpu_s(pid), stat_cpu_s(Path(f"/proc/{pid}/task/{pid}/stat"))
 
 
 def default_bundle(source: Path) -> Path:

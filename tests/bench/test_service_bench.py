@@ -2,6 +2,8 @@
 the service against its ceiling and against the naive server of the same round."""
 
 import math
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +12,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.service_bench import FIXED, MIXED, InProcess, markdown, strata
+from bench.service_bench import FIXED, MIXED, InProcess, markdown, process_cpu_s, strata
 from model.default import ensure_default_bundle
+
+
+def test_a_process_cpu_is_read_by_pid_to_the_nanosecond() -> None:
+    # This process's CPU-time clock read by pid, between two readings of its own: the same clock, so it falls
+    # between them; /proc's stat, whole 10 ms ticks behind, would fall below the first (how bench/late_bench.py's
+    # few tiny calls came out as 0 ms of server CPU).
+    for _ in range(20):
+        before = time.process_time()
+        by_pid = process_cpu_s(os.getpid())
+        after = time.process_time()
+        assert before <= by_pid <= after
+        sum(i * i for i in range(20_000))  # some CPU between the rounds
 
 
 def test_strata_of_the_mixed_lengths_have_their_mean_and_median() -> None:
