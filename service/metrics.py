@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from service.errors import REASON_OF
+from service.process_metrics import FAMILIES as PROCESS_FAMILIES
 
 # 1 ms .. 10 s, roughly x2 per step (resolves p99 at both ends).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -505,9 +506,10 @@ def summed_counts(registry: CollectorRegistry, last_inference_ms: int = 0, model
 
 
 def metric_families() -> dict[str, tuple[str, frozenset[str]]]:
-    """Every family `Metrics` exports, as exposed (counters with `_total`): name -> (type, labels). The
-    contract with dashboards and alerts, derived here once (tests/service/test_metrics.py pins it)."""
-    families: dict[str, tuple[str, frozenset[str]]] = {}
+    """Every family /metrics exports, as exposed (counters with `_total`): name -> (type, labels), `Metrics`' and
+    the processes' own (service/process_metrics.py). The contract with dashboards and alerts, derived here once
+    (tests/service/test_metrics.py pins it)."""
+    families = dict(PROCESS_FAMILIES)
     for metric in vars(Metrics(CollectorRegistry())).values():
         if isinstance(metric, MetricWrapperBase):
             kind = str(metric._type)  # prometheus_client keeps these private; no public accessor exists

@@ -26,7 +26,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -40,6 +40,7 @@ from service.doors.grpc_server import grpc_options, ledger
 from service.doors.ports import port_error
 from service.metrics import Metrics
 from service.metrics_http import serve_metrics
+from service.process_metrics import ProcessMetrics
 from service.tracing import build_tracing
 
 if TYPE_CHECKING:
@@ -89,15 +90,18 @@ class Fronts:
 
 
 class Lifecycle:
-    """The health servicer, the metrics port (`registry` served at /metrics), the plaintext health
-    port, the process's tracing (None: off; service/tracing.py; `process` names this process in its traces),
-    and the drain. `open()` before anything listens; `serving()` once the model is warm."""
+    """The health servicer, the metrics port (`registry` served at /metrics, with this process's own health and
+    that of the processes `children` lists: service/process_metrics.py), the plaintext health port, the process's
+    tracing (None: off; service/tracing.py; `process` names this process in its traces and metrics), and the
+    drain. `open()` before anything listens; `serving()` once the model is warm."""
 
     def __init__(self, config: ServiceConfig, metrics: Metrics, registry: CollectorRegistry,
-                 process: str = "server") -> None:
+                 process: str = "server", children: Callable[[], Iterable[tuple[str, int]]] = lambda: ()) -> None:
         self.config = config
         self.metrics = metrics
         self.registry = registry
+        if config.metrics_port >= 0:  # served: an edge process's registry is not
+            registry.register(ProcessMetrics(process, children))
         self.tracing = build_tracing(config, process)
         self.health = health.aio.HealthServicer()
         self.health_grpc: grpc.aio.Server | None = None

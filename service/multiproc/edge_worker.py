@@ -40,6 +40,11 @@ SOCKET = "model.sock"
 CONFIG = "config.json"
 
 
+def edge_name(index: int) -> str:
+    """Edge process `index`'s name in traces, logs and metrics."""
+    return f"edge {index}"
+
+
 async def run(directory: Path, index: int = 0) -> int:
     config = ServiceConfig(**json.loads((directory / CONFIG).read_text()))
     registry = CollectorRegistry()
@@ -49,7 +54,7 @@ async def run(directory: Path, index: int = 0) -> int:
     serving = Serving()
     # The model process serves /metrics and the health port; an edge serves its share of the gRPC port.
     lifecycle = Lifecycle(dataclasses.replace(config, metrics_port=-1, health_port=-1, ready_file=""), metrics,
-                          registry, f"edge {index}")
+                          registry, edge_name(index))
     limit = frames.max_frame(config.max_message_bytes)
     try:
         reader, writer = await asyncio.open_unix_connection(str(directory / SOCKET))
@@ -122,7 +127,7 @@ def main(argv: list[str]) -> int:
     directory, index = Path(argv[0]), int(argv[1])
     config = json.loads((directory / CONFIG).read_text())
     logging.basicConfig(level=config["log_level"].upper(),
-                        format=f"%(asctime)s %(levelname)s %(name)s[edge {index}]: %(message)s")
+                        format=f"%(asctime)s %(levelname)s %(name)s[{edge_name(index)}]: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     return event_loop.run(run(directory, index), config["event_loop"])

@@ -60,7 +60,7 @@ from service.fault_hooks import FaultHooks
 from service.jobs import Job, ModelSpec
 from service.metrics import Metrics
 from service.multiproc import frames
-from service.multiproc.edge_worker import CONFIG, SOCKET
+from service.multiproc.edge_worker import CONFIG, SOCKET, edge_name
 from service.process import Lifecycle, run, signal_queue
 from service.tracing import unpacked
 
@@ -218,7 +218,7 @@ class ModelHost:
         self.metrics = Metrics(CollectorRegistry())
         self.totals = CollectorRegistry()  # every process's metrics, summed: /metrics and the ledger
         multiprocess.MultiProcessCollector(self.totals, path=str(directory / "metrics"))  # type: ignore[no-untyped-call]
-        self.lifecycle = Lifecycle(config, self.metrics, self.totals, "model")
+        self.lifecycle = Lifecycle(config, self.metrics, self.totals, "model", self._edges)
         self.health = self.lifecycle.health
         self.hooks = FaultHooks.from_config(config)
         self.engine = Engine(config, self.metrics, self.hooks, self.lifecycle.tracing)
@@ -233,6 +233,11 @@ class ModelHost:
         self._unix: asyncio.Server | None = None
         self.startup: asyncio.Task[None] | None = None
         self.max_frame = frames.max_frame(config.max_message_bytes)
+
+    def _edges(self) -> list[tuple[str, int]]:
+        """The edge processes running now, by name and pid (their health on /metrics)."""
+        return [(edge_name(slot.index), slot.proc.pid) for slot in self.slots
+                if slot.proc is not None and slot.proc.returncode is None]
 
     @property
     def metrics_port(self) -> int:

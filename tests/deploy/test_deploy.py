@@ -91,6 +91,9 @@ DASHBOARD_MUST_SHOW = {
     "attention_nonfinite_outputs_total",
     "attention_fp32_retries_total",
     "attention_model_info",
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "python_gc_collections_total",
 }
 
 

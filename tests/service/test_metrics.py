@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from model import faults
 from proto.attention.v1.codec import from_tensor
 from service.metrics import DROP_REASONS, FAILURE_REASONS, Metrics, metric_families
+from service.process_metrics import ProcessMetrics
 from tests.support.helpers import Running, ids_request, wait_for
 from tests.support.prometheus_server import prometheus_server
 from tests.support.server_process import ServerProcess
@@ -55,13 +56,28 @@ PINNED = {
     "grpc_server_started_total": ("counter", {"grpc_type", "grpc_service", "grpc_method"}),
     "grpc_server_handled_total": ("counter", {"grpc_type", "grpc_service", "grpc_method", "grpc_code"}),
     "grpc_server_handling_seconds": ("histogram", {"grpc_type", "grpc_service", "grpc_method"}),
+    # Each process's own (service/process_metrics.py): prometheus_client's standard names, labelled by process.
+    "process_cpu_seconds_total": ("counter", {"process"}),
+    "process_resident_memory_bytes": ("gauge", {"process"}),
+    "process_virtual_memory_bytes": ("gauge", {"process"}),
+    "process_start_time_seconds": ("gauge", {"process"}),
+    "process_open_fds": ("gauge", {"process"}),
+    "process_max_fds": ("gauge", {"process"}),
+    "python_gc_objects_collected_total": ("counter", {"generation", "process"}),
+    "python_gc_objects_uncollectable_total": ("counter", {"generation", "process"}),
+    "python_gc_collections_total": ("counter", {"generation", "process"}),
+    "python_info": ("gauge", {"implementation", "major", "minor", "patchlevel", "version", "process"}),
+    "attention_gc_frozen_objects": ("gauge", {"process"}),
 }
 
 
 def test_metric_names_types_and_labels_are_pinned():
     assert {name: (kind, set(labels)) for name, (kind, labels) in metric_families().items()} == PINNED
-    exposed = {family.name for family in Metrics(CollectorRegistry()).registry.collect()}
-    assert {name.removesuffix("_total") for name in PINNED} == exposed  # nothing Metrics holds is left out
+    registry = CollectorRegistry()
+    Metrics(registry)
+    registry.register(ProcessMetrics("server"))
+    exposed = {family.name for family in registry.collect()}
+    assert {name.removesuffix("_total") for name in PINNED} == exposed  # nothing /metrics serves is left out
 
 
 def test_two_metric_sets_in_one_process_do_not_collide():
@@ -155,6 +171,9 @@ async def test_real_prometheus_scrapes_latency_codes_and_nonfinite_counts(start_
         assert 0 < p99[0].value <= 10.0
         nonfinite = await wait('attention_nonfinite_outputs_total{precision="bf16"}', lambda r: r and r[0].value == 2)
         assert nonfinite[0].value == 2
+        # The serving process's own health (service/process_metrics.py), under the standard names.
+        rss = await wait('process_resident_memory_bytes{job="attention"}', lambda r: r and r[0].value > 0)
+        assert [r.labels["process"] for r in rss] == ["server"]
         handled = await wait('grpc_server_handled_total{grpc_method="Encode",grpc_code="OK"}',
                              lambda r: r and r[0].value == 41)
         assert handled[0].labels["grpc_service"] == "attention.v1.AttentionService"

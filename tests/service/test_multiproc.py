@@ -301,10 +301,13 @@ async def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, e
 
 async def test_a_crashed_edge_is_restarted(edged: ServerProcess):
     victim = edged.ports["edge_pids"][0]  # type: ignore[index]
+    started = edged.sample("process_start_time_seconds", {"process": "edge 0"})  # read from its /proc
     os.kill(victim, signal.SIGKILL)
     await wait_for(lambda: "restarting it" in edged.output() and edged.output().count("edge 0 started") == 2, 20,
                    "the edge restarted")
     await wait_for(lambda: edged.sample("attention_ready") == 1, 20, "every edge ready again")
+    # /metrics follows the new process under the old name (service/process_metrics.py)
+    assert edged.sample("process_start_time_seconds", {"process": "edge 0"}) > started > 0
     for _ in range(6):  # fresh connections: whichever edge each lands on answers
         async with grpc.aio.insecure_channel(edged.target, options=OWN_CONNECTION) as channel:
             assert (await attention_pb2_grpc.AttentionServiceStub(channel).Encode(ids_request([1, 2]),
