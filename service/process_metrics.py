@@ -1,29 +1,29 @@
 """The processes' own health on /metrics: prometheus_client's standard `process_*` families (CPU, resident and
-virtual memory, file descriptors, start time), `python_gc_*`, `python_info`, and the objects `--gc-freeze` froze,
-each sample labelled `process` with the name the process has in traces and logs (`server`; with edge processes
-`model` and `edge 0`, `edge 1`, ...; service/tracing.py).
+virtual memory, file descriptors, start time), `python_gc_*` and `python_info`, each sample labelled `process`
+with the name the process has in traces and logs (`server`; with edge processes `model` and `edge 0`, `edge 1`,
+...; service/tracing.py).
 
 prometheus_client's multiprocess mode sums only the library's own metric types from the processes' files, so its
 process and GC collectors do not work there. Instead the process that serves /metrics reads them at each scrape:
 its own from its interpreter and /proc, and each edge process's `process_*` from /proc/<pid> (it knows their pids;
 a restarted edge appears under the same name with its new start time and a counter reset, as after any
-restart). An edge's interpreter cannot be read from outside it, so `python_gc_*`, `python_info` and the frozen
-count are the model process's alone in that mode. Nothing is stored or pushed: an edge pays nothing for it, and
-every value is read after the scrape arrived. `process_*` exist on Linux only (prometheus_client reads /proc).
+restart). An edge's interpreter cannot be read from outside it, so `python_gc_*` and `python_info` are the model
+process's alone in that mode. Nothing is stored or pushed: an edge pays nothing for it, and every value is read
+after the scrape arrived. `process_*` exist on Linux only (prometheus_client reads /proc).
+Not exported: the count of objects `--gc-freeze` froze (`gc.get_freeze_count()` walks the whole permanent
+generation, 60-80 ms of GIL a scrape with 200,000 objects); it is logged once, at the freeze.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 LABEL = "process"
-FROZEN = "attention_gc_frozen_objects"
 
 # The families, as exposed: name -> (type, labels), for the metrics contract (service/metrics.py `metric_families`).
 FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
@@ -37,7 +37,6 @@ FAMILIES: dict[str, tuple[str, frozenset[str]]] = {
     "python_gc_objects_uncollectable_total": ("counter", frozenset({"generation", LABEL})),
     "python_gc_collections_total": ("counter", frozenset({"generation", LABEL})),
     "python_info": ("gauge", frozenset({"implementation", "major", "minor", "patchlevel", "version", LABEL})),
-    FROZEN: ("gauge", frozenset({LABEL})),
 }
 
 
@@ -60,12 +59,8 @@ class ProcessMetrics(Collector):
         for name, pid in processes:
             # A process that exits meanwhile yields nothing (prometheus_client skips what it cannot read).
             _relabel(families, procs[pid].collect(), name)
-        frozen = GaugeMetricFamily(FROZEN, "Objects in the interpreter's permanent generation (gc.freeze at "
-                                   "SERVING, --gc-freeze): full collections skip them.",
-                                   value=gc.get_freeze_count())
         for collector in self._interpreter:
             _relabel(families, collector.collect(), self._name)
-        _relabel(families, [frozen], self._name)
         return list(families.values())
 
 

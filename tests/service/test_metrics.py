@@ -67,7 +67,6 @@ PINNED = {
     "python_gc_objects_uncollectable_total": ("counter", {"generation", "process"}),
     "python_gc_collections_total": ("counter", {"generation", "process"}),
     "python_info": ("gauge", {"implementation", "major", "minor", "patchlevel", "version", "process"}),
-    "attention_gc_frozen_objects": ("gauge", {"process"}),
 }
 
 

@@ -301,7 +301,10 @@ async def test_the_port_is_not_shared_with_another_service(fault_bundle: Path, e
 
 async def test_a_crashed_edge_is_restarted(edged: ServerProcess):
     victim = edged.ports["edge_pids"][0]  # type: ignore[index]
-    started = edged.sample("process_start_time_seconds", {"process": "edge 0"})  # read from its /proc
+    processes = {dict(labels)["process"]: v for (name, labels), v in edged.scrape().items()
+                 if name == "process_start_time_seconds"}  # each process's own, read from its /proc
+    assert sorted(processes) == ["edge 0", "edge 1", "model"], processes
+    started = processes["edge 0"]
     os.kill(victim, signal.SIGKILL)
     await wait_for(lambda: "restarting it" in edged.output() and edged.output().count("edge 0 started") == 2, 20,
                    "the edge restarted")
