@@ -10,8 +10,10 @@ a restarted edge appears under the same name with its new start time and a count
 restart). An edge's interpreter cannot be read from outside it, so `python_gc_*` and `python_info` are the model
 process's alone in that mode. Nothing is stored or pushed: an edge pays nothing for it, and every value is read
 after the scrape arrived. `process_*` exist on Linux only (prometheus_client reads /proc).
-Not exported: the count of objects `--gc-freeze` froze (`gc.get_freeze_count()` walks the whole permanent
-generation, 60-80 ms of GIL a scrape with 200,000 objects); it is logged once, at the freeze.
+Not exported: the count of objects `--gc-freeze` froze. `gc.get_freeze_count()` walks the whole permanent
+generation: in a served process, its 200,000 objects scattered through its memory, a /metrics render took 88 ms
+with it against 5.6 without (median of 30, edge processes, 2026-12-03), holding the GIL. It is logged once, at the
+freeze.
 """
 
 from __future__ import annotations
