@@ -1,6 +1,7 @@
 """Each process's own health on /metrics (service/process_metrics.py): prometheus_client's process and GC
 families for this process and for the processes it lists (real child processes here; the served modes in
-tests/service/test_gc_freeze.py and tests/service/test_multiproc.py), one family per name, labelled `process`."""
+tests/service/test_metrics.py, through a real Prometheus, and tests/service/test_multiproc.py), one family per
+name, labelled `process`."""
 
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def scrape(registry: CollectorRegistry) -> Samples:
-    """The registry as a scraper reads it: through the text format and prometheus_client's parser (which
-    refuses a family named twice)."""
+    """The registry as a scraper reads it: through the text format and prometheus_client's parser."""
     text = generate_latest(registry).decode()
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -63,6 +63,9 @@ def test_every_family_is_exported_once_with_each_process_labelled(children: dict
     exported = {(f.name + "_total" if f.type == "counter" else f.name): (f.type, frozenset(
         k for sample in f.samples for k in sample.labels)) for f in text_string_to_metric_families(text)}
     assert exported == FAMILIES
+    # Once each: the text format allows no second TYPE line for a family (the parser would merge them silently).
+    typed = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(typed) == len(set(typed)) == len(FAMILIES), typed
     samples = scrape(registry)
     # process_* for every process; the interpreter's own families for this one only.
     assert {dict(ls)["process"] for n, ls in samples if n == "process_resident_memory_bytes"} == {
