@@ -221,6 +221,14 @@ def check_dtypes(plan: Plan, outputs: Sequence[Output]) -> None:
     check_representable(outputs, plan.output_dtype, plan.attention_dtype)
 
 
+def _expire(items: Sequence[Item[Job]]) -> None:
+    """A call's deadline passed: each of its items not answered yet fails DeadlineExceeded (gather() reads
+    every one, so none is left unretrieved)."""
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(DeadlineExceeded("deadline exceeded"))
+
+
 class Calls:
     """The shared call layer of one process (see the module docstring)."""
 
@@ -310,15 +318,17 @@ class Calls:
             link = trace.link
         items = admission.submit([Request(job, job.length, job.key, link) for job in jobs],
                                  time.monotonic() + seconds)
+        # The deadline fails the items' futures (`_expire`): one timer handle, about 1 us a call on uvloop where
+        # asyncio.timeout() took 3 (bench/RESULTS.md, "No regression"); a result that arrives later is dropped
+        # (the batcher settles only futures not done).
+        expiry = asyncio.get_running_loop().call_later(seconds, _expire, items)
         try:
-            async with asyncio.timeout(seconds):
-                # One sequence (the common call) awaits its future directly: gather() would add a
-                # callback and a loop iteration between the model thread's answer and this task.
-                done = [await items[0].future] if len(items) == 1 else await asyncio.gather(
-                    *(item.future for item in items))
-        except TimeoutError:
-            raise DeadlineExceeded("deadline exceeded") from None
+            # One sequence (the common call) awaits its future directly: gather() would add a
+            # callback and a loop iteration between the model thread's answer and this task.
+            done = [await items[0].future] if len(items) == 1 else await asyncio.gather(
+                *(item.future for item in items))
         finally:
+            expiry.cancel()
             # All of them: a cancelled gather() has already cancelled its futures, but their items
             # may still be queued. Items that ran or are running are left alone.
             admission.cancel(items)
