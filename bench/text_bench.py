@@ -4,7 +4,8 @@ Texts of a realistic mix of lengths (a seeded draw of 4-200 words, log-uniform, 
 of English words and punctuation; about 6-250 tokens) are sent one per call as strings, sentence
 embeddings back (pooling "model", normalised, no hidden states). The ceiling tokenizes and runs the
 same texts in process with the bundle's tokenizer and module, length-sorted batches at the best token
-budget, the server's threads: tokenization is included on both sides. Closed-loop load at concurrency
+budget, the server's threads, as one wide forward at a time or as the server's default model workers side by
+side (whichever is faster; `Ceiling`): tokenization is included on both sides. Closed-loop load at concurrency
 1, 16 and 64 (client/load.py), each run bracketed by a ceiling measurement (the shared machine drifts).
 `--words short` sends bench/ab.py's short texts (3-15 words) instead, `--precision` runs both sides in bf16 or
 fp16. Bounded: `--duration` seconds per load run (default 15), about 3 minutes in all.
@@ -21,6 +22,7 @@ import platform
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,20 +47,30 @@ def make_texts(n: int, seed: int = 0) -> list[str]:
 
 
 class Ceiling:
-    """Tokenize + forward in process, length-sorted batches under a token budget (padded B x T)."""
+    """Tokenize + forward in process, length-sorted batches under a token budget (padded B x T), on this
+    thread with every intra-op thread or taken in turn by `workers` threads side by side with
+    `threads / workers` each, as the server's model workers run them (bench/service_bench.py's bar does the
+    same; for short texts two narrow workers beat one wide forward)."""
 
     def __init__(self, bundle: Path, texts: list[str], threads: int, device: str = "cpu",
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", workers: int = 1) -> None:
         from service.device import DTYPES
 
         torch.set_num_threads(threads)
         loaded = load_bundle(bundle, device=device, dtype=DTYPES[precision])
         assert loaded.tokenizer is not None, f"{bundle} is not a text bundle"
         self._module, self._tokenizer, self._texts, self._device = loaded.module, loaded.tokenizer, texts, device
+        self._workers = sorted({1, workers})
+        self._pool = ThreadPoolExecutor(workers, initializer=torch.set_num_threads,
+                                        initargs=(max(1, threads // workers),))
+        self.workers = 1  # the side-by-side count `search` found best
 
-    def run(self, budget: int, max_batch: int | None = None) -> float:
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def run(self, budget: int, max_batch: int | None = None, workers: int | None = None) -> float:
         """Sequences/s for the whole set: tokenize, sort, batch (at most `max_batch` rows), forward, pool,
-        normalise, back on the host."""
+        normalise, back on the host; on `workers` threads (default: what `search` chose)."""
         started = time.perf_counter()
         encoded = sorted(self._tokenizer.encode(self._texts, truncate=True), key=lambda e: len(e.ids))
         batches: list[list[Any]] = [[]]
@@ -66,23 +78,31 @@ class Ceiling:
             if batches[-1] and ((len(batches[-1]) + 1) * len(enc.ids) > budget or len(batches[-1]) == max_batch):
                 batches.append([])
             batches[-1].append(enc)
-        with torch.inference_mode():
+        if (workers or self.workers) == 1:
             for batch in batches:
-                T = len(batch[-1].ids)
-                ids = torch.zeros(len(batch), T, dtype=torch.int64)
-                for row, enc in enumerate(batch):
-                    ids[row, : len(enc.ids)] = torch.from_numpy(enc.ids)
-                lengths = torch.tensor([len(e.ids) for e in batch]).to(self._device)
-                hidden = self._module(ids.to(self._device), None, lengths, False, [])[0].float()
-                real = torch.arange(T, device=self._device)[None, :, None] < lengths[:, None, None]
-                mean = torch.where(real, hidden, 0.0).sum(1) / lengths[:, None]
-                torch.nn.functional.normalize(mean, dim=-1).cpu().numpy()
+                self._forward(batch)
+        else:
+            list(self._pool.map(self._forward, batches))
         return len(self._texts) / (time.perf_counter() - started)
 
+    def _forward(self, batch: list[Any]) -> None:
+        with torch.inference_mode():
+            T = len(batch[-1].ids)
+            ids = torch.zeros(len(batch), T, dtype=torch.int64)
+            for row, enc in enumerate(batch):
+                ids[row, : len(enc.ids)] = torch.from_numpy(enc.ids)
+            lengths = torch.tensor([len(e.ids) for e in batch]).to(self._device)
+            hidden = self._module(ids.to(self._device), None, lengths, False, [])[0].float()
+            real = torch.arange(T, device=self._device)[None, :, None] < lengths[:, None, None]
+            mean = torch.where(real, hidden, 0.0).sum(1) / lengths[:, None]
+            torch.nn.functional.normalize(mean, dim=-1).cpu().numpy()
+
     def search(self) -> tuple[int, float]:
-        rates = {budget: max(self.run(budget) for _ in range(2)) for budget in (1024, 2048, 4096)}
-        best = max(rates, key=rates.__getitem__)
-        return best, rates[best]
+        """The best token budget and side-by-side count (kept in `workers`); returns the budget and its rate."""
+        rates = {(budget, workers): max(self.run(budget, workers=workers) for _ in range(2))
+                 for budget in (256, 512, 1024, 2048, 4096) for workers in self._workers}
+        (best, self.workers) = max(rates, key=rates.__getitem__)
+        return best, rates[best, self.workers]
 
     def token_counts(self) -> list[int]:
         return [len(e.ids) for e in self._tokenizer.encode(self._texts, truncate=True)]
@@ -123,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
             from bench.ab import make_texts as make_word_texts  # bench.ab imports this module's WORDS
 
             texts = make_word_texts(args.words, args.texts)
-        ceiling = Ceiling(bundle, texts, args.threads, precision=args.precision)
+        from service.device import default_workers
+
+        ceiling = Ceiling(bundle, texts, args.threads, precision=args.precision,
+                          workers=default_workers("cpu", args.threads))
         counts = ceiling.token_counts()
         budget, rate = ceiling.search()
         print(f"texts: {len(texts)}, tokens per text p50 {int(np.median(counts))}, min {min(counts)}, "
-              f"max {max(counts)}; ceiling {rate:.1f} seq/s at a budget of {budget} tokens", flush=True)
+              f"max {max(counts)}; ceiling {rate:.1f} seq/s at a budget of {budget} tokens on {ceiling.workers} "
+              f"worker(s)", flush=True)
         server = ServerProcess(bundle, "--torch-threads", str(args.threads), "--precision", args.precision)
         rows = []
         try:
@@ -149,9 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
         finally:
             server.stop()
+            ceiling.close()
     if args.json:
         args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                         "threads": args.threads, "budget": budget, "rows": rows}, indent=2))
+                                         "threads": args.threads, "budget": budget, "workers": ceiling.workers,
+                                         "rows": rows}, indent=2))
     return 0
 
 

@@ -21,6 +21,13 @@ async def test_text_load_and_ceiling(start_server: Any, tiny_text_bundle: Path) 
     ceiling = Ceiling(tiny_text_bundle, texts, threads=1)
     counts = ceiling.token_counts()
     assert set(counts) <= set(range(2, 9)) and ceiling.run(256) > 0  # cut at the bundle's 8 tokens
+    side_by_side = Ceiling(tiny_text_bundle, texts, threads=2, workers=2)
+    try:
+        budget, rate = side_by_side.search()
+        assert side_by_side.workers in (1, 2) and budget in (256, 512, 1024, 2048, 4096) and rate > 0
+        assert side_by_side.run(256, workers=2) > 0
+    finally:
+        side_by_side.close()
     served = await start_server(bundle=tiny_text_bundle)
     report = await run_load(served.target, concurrency=4, duration_s=None, max_requests=40, pooling="model",
                             return_hidden=False, texts=list(zip(texts, counts, strict=True)), timeout=30)
